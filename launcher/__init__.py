@@ -1,0 +1,1 @@
+"""The `epd` command line: one console script whose subcommands start each role."""

@@ -1,0 +1,107 @@
+"""A KV block pool: one preallocated tensor, handed out in fixed-size blocks.
+
+Layout::
+
+    kv[layer, k_or_v, block, offset_in_block, kv_head, head_dim]
+
+A token at position ``p`` of a sequence whose block table is ``blocks`` lives in
+flat slot ``blocks[p // block_size] * block_size + p % block_size``. A KV chunk
+on the wire is ``[layers, 2, tokens, kv_heads, head_dim]``: exactly the pool's
+per-slot layout, so landing a chunk is one indexed copy into the pool.
+
+Ownership: ``allocate`` hands blocks to exactly one caller; ``free`` returns them.
+Freeing a block twice raises (double free is a bookkeeping bug, never ignored).
+Capacity is counted in blocks; nothing is allocated per request after start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one token's KV looks like; also the cache-format part of the fingerprint."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        return f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
+
+
+class KVBlockPool:
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = 16, device: str | torch.device = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.layout = layout
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros(
+            (layout.layers, 2, num_blocks, block_size, layout.kv_heads, layout.head_dim), dtype=layout.dtype, device=device
+        )
+        self._flat = self.kv.view(layout.layers, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._is_free = [True] * num_blocks
+
+    @classmethod
+    def from_memory_budget(cls, layout: KVLayout, budget_bytes: int, block_size: int = 16, device="cpu") -> "KVBlockPool":
+        num_blocks = budget_bytes // (layout.bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(f"KV memory budget {budget_bytes} B is smaller than one block ({layout.bytes_per_token * block_size} B)")
+        return cls(layout, int(num_blocks), block_size, device)
+
+    # -- capacity ---------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, tokens: int) -> bool:
+        """Side-effect free probe."""
+        return self.blocks_for(tokens) <= len(self._free)
+
+    def allocate(self, tokens: int) -> list[int] | None:
+        """Blocks for ``tokens`` positions, or ``None`` when they do not fit (nothing taken)."""
+        need = self.blocks_for(tokens)
+        if need > len(self._free):
+            return None
+        blocks = [self._free.pop() for _ in range(need)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise RuntimeError(f"KV block {b} freed twice")
+            self._is_free[b] = True
+            self._free.append(b)
+
+    # -- addressing -------------------------------------------------------------
+    def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slots of positions ``start..end-1`` in a sequence with block table ``blocks``."""
+        if end > len(blocks) * self.block_size or start < 0 or end < start:
+            raise IndexError(f"positions {start}..{end} outside {len(blocks)} blocks of {self.block_size}")
+        pos = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv.device)
+
+    def write(self, blocks: list[int], start: int, chunk: torch.Tensor) -> None:
+        """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``."""
+        n = chunk.shape[2]
+        self._flat[:, :, self.slots(blocks, start, start + n)] = chunk.to(self.kv.device, self.kv.dtype)
+
+    def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""
+        return self._flat[:, :, self.slots(blocks, start, end)]
