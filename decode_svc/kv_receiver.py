@@ -1,0 +1,135 @@
+"""Landing pushed KV chunks into reserved blocks, and deciding when a transfer is complete.
+
+Outcome of one chunk (documented, tested):
+
+=========================================  ===========  =========================
+condition                                  chunk        attempt state
+=========================================  ===========  =========================
+unknown / released reservation             rejected     (none)
+generation != current (stale sender)       rejected     unchanged, never written
+attempt already SUCCESS, same index        duplicate    SUCCESS
+attempt already FAILED                     rejected     FAILED
+index already received                     duplicate    unchanged
+checksum mismatch / bad shape or range     rejected     FAILED (retry or re-prefill)
+valid                                      accepted     TRANSFERRING (or SUCCESS)
+=========================================  ===========  =========================
+
+A transfer is SUCCESS only when every chunk ``0..total-1`` is present, the chunks
+cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's token
+digest and model fingerprint equal the reservation's. Out-of-order arrival is
+fine. Payload bytes are copied once: from the message buffer into the pool.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.kv_pool import KVBlockPool
+from runtime.tensor_bytes import dtype_from_name, dtype_name
+from runtime.wire import payload_checksum
+
+from .reservations import ReservationTable
+from .transfer_state import TransferState
+
+
+class ChunkOutcome(Enum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True)
+class ChunkResult:
+    outcome: ChunkOutcome
+    detail: str = ""
+
+
+class KVReceiver:
+    def __init__(self, table: ReservationTable, pool: KVBlockPool):
+        self.table = table
+        self.pool = pool
+
+    def land(self, chunk: pb.KVChunk) -> ChunkResult:
+        res = self.table.get(chunk.reservation.reservation_id)
+        if res is None or res.released:
+            return ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
+        attempt = res.attempt
+        if chunk.reservation.generation != attempt.generation:
+            return ChunkResult(ChunkOutcome.REJECTED, f"stale generation {chunk.reservation.generation} != {attempt.generation}")
+        if attempt.state == TransferState.SUCCESS:
+            return ChunkResult(ChunkOutcome.DUPLICATE, "transfer already complete")
+        if attempt.state == TransferState.FAILED:
+            return ChunkResult(ChunkOutcome.REJECTED, f"transfer failed: {attempt.detail}")
+        if chunk.chunk_index in attempt.received:
+            return ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
+
+        problem = self._validate(chunk, res.prompt_tokens)
+        if problem:
+            attempt.set_state(TransferState.FAILED, problem)
+            return ChunkResult(ChunkOutcome.REJECTED, problem)
+
+        with warnings.catch_warnings():  # read-only message buffer: we only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(chunk.payload, dtype=torch.uint8)
+        kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
+        self.pool.write(res.blocks, chunk.token_start, kv)
+
+        now = time.monotonic()
+        if attempt.first_chunk_at is None:
+            attempt.first_chunk_at = now
+            attempt.set_state(TransferState.TRANSFERRING)
+        attempt.received[chunk.chunk_index] = (chunk.token_start, chunk.token_end)
+        attempt.bytes_received += len(chunk.payload)
+        if chunk.last:
+            attempt.total_chunks = chunk.total_chunks
+            attempt.first_token = chunk.first_token
+            attempt.token_digest = chunk.token_digest
+            attempt.model_fingerprint = chunk.model_fingerprint
+            attempt.prefill_ms = chunk.prefill_ms or None
+        self._maybe_complete(res)
+        return ChunkResult(ChunkOutcome.ACCEPTED)
+
+    def _validate(self, chunk: pb.KVChunk, prompt_tokens: int) -> str:
+        layout = self.pool.layout
+        n = chunk.token_end - chunk.token_start
+        if not (0 <= chunk.token_start < chunk.token_end <= prompt_tokens):
+            return f"token range {chunk.token_start}..{chunk.token_end} outside prompt of {prompt_tokens}"
+        if (chunk.layer_start, chunk.layer_end) != (0, layout.layers):
+            return f"layer range {chunk.layer_start}..{chunk.layer_end} != 0..{layout.layers}"
+        if chunk.dtype != dtype_name(layout.dtype):
+            return f"dtype {chunk.dtype} != cache dtype {dtype_name(layout.dtype)}"
+        expected = [layout.layers, 2, n, layout.kv_heads, layout.head_dim]
+        if list(chunk.shape) != expected:
+            return f"shape {list(chunk.shape)} != {expected}"
+        if payload_checksum(chunk.payload) != chunk.checksum:
+            return f"checksum mismatch on chunk {chunk.chunk_index}"
+        return ""
+
+    def _maybe_complete(self, res) -> None:
+        attempt = res.attempt
+        if attempt.total_chunks is None or len(attempt.received) < attempt.total_chunks:
+            return
+        if set(attempt.received) != set(range(attempt.total_chunks)):
+            attempt.set_state(TransferState.FAILED, "chunk indices do not match total_chunks")
+            return
+        covered = sorted(attempt.received.values())
+        cursor = 0
+        for start, end in covered:
+            if start != cursor:
+                attempt.set_state(TransferState.FAILED, f"token coverage gap or overlap at {cursor}")
+                return
+            cursor = end
+        if cursor != res.prompt_tokens:
+            attempt.set_state(TransferState.FAILED, f"chunks cover {cursor} of {res.prompt_tokens} tokens")
+        elif attempt.token_digest != res.token_digest:
+            attempt.set_state(TransferState.FAILED, "token digest mismatch between prefill and reservation")
+        elif attempt.model_fingerprint != res.model_fingerprint:
+            attempt.set_state(TransferState.FAILED, "model/cache fingerprint mismatch between prefill and decode")
+        else:
+            attempt.set_state(TransferState.SUCCESS)

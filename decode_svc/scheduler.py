@@ -1,0 +1,215 @@
+"""Continuous batching on a decode worker.
+
+Queues, in order (moving a sequence from one to the next IS its state change)::
+
+    reservations (transfer in flight; see reservations.py)
+        └─ verified ─> insert() ─> running ─> retired (finished | cancelled)
+    colocated prompts ─> prefilling (chunked, interleaved with decode steps) ─> running
+
+One step = one packed forward holding one new token for every running sequence
+plus at most one prompt chunk per prefilling sequence (bounded by a token
+budget), so a long colocated prompt is spread across steps instead of stalling
+its neighbours for its whole length. Sequences join and leave only at step
+boundaries; tokens are pushed to each sequence's queue after every step.
+
+Threading: the forward runs in a worker thread; all bookkeeping happens on the
+event loop between steps, so no lock is needed. Retiring a sequence calls the
+``on_retire`` callback exactly once, which releases its reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kv_pool import KVBlockPool
+from runtime.model_adapter import PackedItem, VLMAdapter
+from runtime.sampling import SamplingParams, sample_token
+from runtime.timing_log import TimingLog
+
+log = logging.getLogger("epd.decode")
+
+
+@dataclass(slots=True)
+class StepEvent:
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    reservation_id: str
+    blocks: list[int]
+    prompt_len: int
+    max_tokens: int
+    sampling: SamplingParams
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output: list[int] = field(default_factory=list)
+    # colocated prefill state: prompt embeddings still to run, from `prefilled` on
+    prompt_embeds: torch.Tensor | None = None
+    prefilled: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    first_step_ms: float | None = None
+
+    @property
+    def next_position(self) -> int:
+        """Position of the last sampled token (its KV is written by the next step)."""
+        return self.prompt_len + len(self.output) - 1
+
+
+class DecodeScheduler:
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 64,
+                 prefill_token_budget: int = 256, on_retire: Callable[[Sequence, str], None] | None = None,
+                 timings: TimingLog | None = None):
+        self.adapter = adapter
+        self.pool = pool
+        self.max_batch = max_batch
+        self.prefill_token_budget = prefill_token_budget
+        self.on_retire = on_retire or (lambda seq, reason: None)
+        self.timings = timings or TimingLog()
+        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.max_observed_batch = 0
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- admission into the batch ----------------------------------------------
+    def insert(self, seq: Sequence, first_token: int) -> None:
+        """A verified handoff joins the batch; its first token (from prefill) is emitted now."""
+        if self._accept(seq, first_token):
+            self.running.append(seq)
+        self._wake.set()
+
+    def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor) -> None:
+        seq.prompt_embeds = prompt_embeds
+        self.prefilling.append(seq)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Mark for removal; it leaves at the next step boundary (or now if idle)."""
+        seq.cancelled = True
+        self._wake.set()
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.prompt_len - s.prefilled for s in self.prefilling)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.prefilling)
+
+    # -- the loop ---------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="decode-scheduler")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for seq in [*self.running, *self.prefilling]:
+            self._retire(seq, "cancelled", "worker stopping")
+
+    async def _loop(self) -> None:
+        while True:
+            self._drop_cancelled()
+            if not self.busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step()
+            except Exception as exc:  # a failed step fails its sequences, never the worker
+                log.exception("decode step failed")
+                for seq in [*self.running, *self.prefilling]:
+                    self._retire(seq, "error", f"decode step failed: {exc}")
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in (*self.running, *self.prefilling) if s.cancelled]:
+            self._retire(seq, "cancelled", "cancelled")
+
+    async def _step(self) -> None:
+        decoding = self.running[: self.max_batch]
+        chunks: list[tuple[Sequence, int, int]] = []
+        budget = self.prefill_token_budget
+        for seq in self.prefilling:
+            if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
+                break
+            start = seq.prefilled
+            end = min(seq.prompt_len, start + budget)
+            chunks.append((seq, start, end))
+            budget -= end - start
+
+        started = time.perf_counter()
+        next_tokens, first_tokens = await asyncio.to_thread(self._forward, decoding, chunks)
+        step_ms = (time.perf_counter() - started) * 1000
+        self.steps += 1
+        self.max_observed_batch = max(self.max_observed_batch, len(decoding) + len(chunks))
+        if decoding:
+            self.timings.record("decode_step", len(decoding), step_ms)
+        if chunks:
+            self.timings.record("prefill", sum(e - s for _, s, e in chunks), step_ms)
+
+        for seq, token in zip(decoding, next_tokens):
+            if seq.cancelled or seq.finished:
+                continue
+            self._accept(seq, token)
+        for (seq, _, end), token in zip(chunks, first_tokens):
+            seq.prefilled = end
+            if token is None or seq.cancelled:
+                continue
+            seq.first_step_ms = step_ms
+            self.prefilling.remove(seq)
+            seq.prompt_embeds = None
+            self.insert(seq, token)
+
+    def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
+        items: list[PackedItem] = []
+        if decoding:
+            embeds = self.adapter.embed_tokens([s.output[-1] for s in decoding])
+            items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks) for i, s in enumerate(decoding)]
+        for seq, start, end in chunks:
+            items.append(PackedItem(seq.prompt_embeds[start:end], start, seq.blocks, want_logits=end == seq.prompt_len))
+        logits = self.adapter.forward_packed(self.pool, items)
+        next_tokens = [sample_token(logits[i], s.sampling, s.next_position + 1) for i, s in enumerate(decoding)]
+        first_tokens = []
+        for j, (seq, _, end) in enumerate(chunks):
+            row = logits[len(decoding) + j]
+            first_tokens.append(None if row is None else sample_token(row, seq.sampling, seq.prompt_len))
+        return next_tokens, first_tokens
+
+    # -- retirement -------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int) -> bool:
+        """Emit ``token`` (unless EOS) and retire the sequence if it is done. True while it runs on."""
+        if token in self.adapter.eos_token_ids:
+            self._retire(seq, "stop")  # EOS ends the turn and is not content
+            return False
+        seq.output.append(token)
+        seq.events.put_nowait(StepEvent([token]))
+        if len(seq.output) >= seq.max_tokens or seq.prompt_len + len(seq.output) >= self.adapter.context_length:
+            self._retire(seq, "length")
+            return False
+        return True
+
+    def _retire(self, seq: Sequence, reason: str, detail: str = "") -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        seq.prompt_embeds = None
+        seq.events.put_nowait(StepEvent([], reason, detail))
+        self.on_retire(seq, reason)

@@ -1,0 +1,69 @@
+"""``epd decode``: one decode worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import torch
+
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.embedding_fetch import EmbeddingFetcher
+from runtime.faults import FaultInjector
+from runtime.grpc_server import WorkerServer, configure_logging, run_until_signal
+from runtime.kv_pool import KVBlockPool
+from runtime.model_adapter import VLMAdapter
+from runtime.settings import WorkerSettings, parse_worker_args
+from runtime.worker_metrics import serve_worker_metrics
+
+from .servicer import DecodeServicer
+
+log = logging.getLogger("epd.decode")
+
+
+async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]:
+    adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
+                                      max_images=settings.max_images)
+    pool = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
+                                          device=settings.device)
+    cache = await open_cache(settings)
+    servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher(cache), max_batch=settings.decode_max_batch,
+                              prefill_chunk_tokens=settings.prefill_chunk_tokens, lease_margin_s=settings.lease_margin_s,
+                              faults=FaultInjector(settings.faults))
+    server = WorkerServer("decode", settings, "Decode")
+    pb_grpc.add_DecodeServicer_to_server(servicer, server.server)
+    servicer.start()
+    servicer.address = await server.start()
+    log.info("decode KV pool: %d blocks of %d tokens (%s)", pool.num_blocks, pool.block_size, adapter.kv_layout.describe())
+    return server, servicer
+
+
+async def open_cache(settings: WorkerSettings):
+    """The shared encoder cache, read-only use here; None without Redis (ask the encoder instead)."""
+    if not settings.redis_url:
+        return None
+    from cache import open_encoder_cache
+
+    return open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
+
+
+async def _serve(settings: WorkerSettings) -> None:
+    server, servicer = await build(settings)
+    serve_worker_metrics(settings.metrics_port, lambda: servicer)
+    try:
+        await run_until_signal(server, servicer.drain)
+    finally:
+        await servicer.stop()
+
+
+def main(argv: list[str]) -> int:
+    settings = parse_worker_args("decode", argv)
+    configure_logging()
+    torch.set_grad_enabled(False)
+    asyncio.run(_serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,266 @@
+"""The Decode gRPC service: reserve, receive KV, verify, insert, stream tokens.
+
+Who frees what: the reservation table owns blocks. A reservation is released
+(exactly once, ``ReservationTable.release`` is idempotent) by
+  - the scheduler's retire callback, once the sequence was inserted;
+  - ``Generate`` itself when it ends before insertion (deadline, cancel, error),
+    except on a FAILED transfer, where the reservation is kept so the gateway can
+    retry into it (``Rearm``) while its lease lasts;
+  - ``Release`` from the gateway;
+  - the lease reaper, for reservations nobody claimed in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.errors import AdapterInputError
+from runtime.faults import FaultInjector
+from runtime.kv_pool import KVBlockPool
+from runtime.model_adapter import VLMAdapter
+from runtime.timing_log import TimingLog
+from runtime.wire import sampling_from_pb, token_digest
+
+from .kv_receiver import ChunkOutcome, KVReceiver
+from .reservations import Reservation, ReservationTable
+from .scheduler import DecodeScheduler, Sequence
+from .transfer_state import TransferState
+
+log = logging.getLogger("epd.decode")
+
+
+def unix_ms_to_monotonic(deadline_unix_ms: int, default_s: float = 600.0) -> float:
+    if deadline_unix_ms <= 0:
+        return time.monotonic() + default_s
+    return time.monotonic() + (deadline_unix_ms / 1000.0 - time.time())
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, fetcher: EmbeddingFetcher,
+                 max_batch: int = 64, prefill_chunk_tokens: int = 256, lease_margin_s: float = 10.0,
+                 faults: FaultInjector | None = None):
+        self.adapter = adapter
+        self.pool = pool
+        self.fetcher = fetcher
+        self.faults = faults or FaultInjector("")
+        self.timings = TimingLog()
+        self.table = ReservationTable(pool, lease_margin_s)
+        self.receiver = KVReceiver(self.table, pool)
+        self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
+                                         on_retire=self._on_retire, timings=self.timings)
+        self.address = ""
+        self.serving = True
+        self.chunks_rejected = 0
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self._reaper = asyncio.create_task(self._reap_leases(), name="lease-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+        await self.scheduler.stop()
+        for rid in list(self.table._by_id):
+            self.table.release(rid, "worker stopping")
+        await self.fetcher.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Accepted requests finish; new reservations are refused meanwhile."""
+        self.serving = False
+        end = time.monotonic() + timeout_s
+        while (self.table.active or self.scheduler.busy) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    def _on_retire(self, seq: Sequence, reason: str) -> None:
+        self.table.release(seq.reservation_id, reason)
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            for res in self.table.expired():
+                log.warning("lease expired for %s (%s); releasing", res.request_id, res.reservation_id)
+                self.table.release(res.reservation_id, "lease expired")
+
+    # -- RPCs ---------------------------------------------------------------------
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        if request.prompt_tokens < 1 or request.max_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens and max_tokens must be >= 1")
+        if request.model_fingerprint and request.model_fingerprint != self.adapter.model_fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model fingerprint differs from this decode worker's")
+        if not self.table.fits_at_all(request.prompt_tokens, request.max_tokens):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{request.prompt_tokens + request.max_tokens} tokens can never fit this worker's KV pool")
+        res = self.table.reserve(request.request_id, request.prompt_tokens, request.max_tokens,
+                                 unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
+                                 request.model_fingerprint or self.adapter.model_fingerprint)
+        if res is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no room for {request.prompt_tokens + request.max_tokens} tokens "
+                                f"({self.pool.free_blocks} free blocks)")
+        return self._reserve_response(res)
+
+    def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
+        return pb.ReserveResponse(
+            reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
+            blocks=len(res.blocks), alloc_ms=res.alloc_ms)
+
+    async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:
+        res = self.table.rearm(request.reservation.reservation_id)
+        if res is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "reservation is gone, inserted or released")
+        return self._reserve_response(res)
+
+    async def PushKV(self, request_iterator, context) -> pb.PushKVResponse:
+        accepted = duplicates = rejected = 0
+        last = None
+        detail = ""
+        async for chunk in request_iterator:
+            chunk = self.faults.mangle_chunk(chunk)
+            if chunk is None:
+                continue
+            result = self.receiver.land(chunk)
+            last = chunk
+            if result.outcome == ChunkOutcome.ACCEPTED:
+                accepted += 1
+            elif result.outcome == ChunkOutcome.DUPLICATE:
+                duplicates += 1
+            else:
+                rejected += 1
+                detail = result.detail
+        self.chunks_rejected += rejected
+        state = ""
+        if last is not None and (res := self.table.get(last.reservation.reservation_id)) is not None:
+            state = res.attempt.state.name
+            if res.attempt.state == TransferState.SUCCESS and res.attempt.first_chunk_at is not None:
+                self.timings.record("transfer", res.attempt.bytes_received,
+                                    (res.attempt.completed_at - res.attempt.first_chunk_at) * 1000)
+        return pb.PushKVResponse(accepted=accepted, duplicates=duplicates, rejected=rejected, state=state, detail=detail)
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        rid = request.reservation.reservation_id
+        res = self.table.get(rid)
+        if res is not None and res.inserted:
+            for seq in [*self.scheduler.running, *self.scheduler.prefilling]:
+                if seq.reservation_id == rid:
+                    self.scheduler.cancel(seq)
+            return pb.ReleaseResponse(released=True)
+        return pb.ReleaseResponse(released=self.table.release(rid, request.reason or "released by gateway"))
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        res = self.table.get(request.reservation.reservation_id)
+        if res is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such reservation (released or expired)")
+        if res.inserted:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "reservation already generating")
+        if request.reservation.generation != res.generation:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale reservation generation")
+        deadline = unix_ms_to_monotonic(request.deadline_unix_ms)
+        arrived = time.monotonic()
+        seq = Sequence(request.request_id, res.reservation_id, res.blocks, res.prompt_tokens,
+                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling_from_pb(request.sampling))
+        keep_reservation = False
+        try:
+            if request.colocated:
+                await self._start_colocated(request, res, seq, deadline, context)
+            else:
+                keep_reservation = await self._await_transfer(res, deadline, context)
+                res.inserted = True
+                self.scheduler.insert(seq, res.attempt.first_token)
+            first = True
+            while True:
+                timeout = max(0.0, deadline - time.monotonic()) if first else None
+                try:
+                    ev = await asyncio.wait_for(seq.events.get(), timeout)
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
+                if ev.finish_reason in ("cancelled", "error"):
+                    code = grpc.StatusCode.CANCELLED if ev.finish_reason == "cancelled" else grpc.StatusCode.INTERNAL
+                    await context.abort(code, ev.detail or ev.finish_reason)
+                out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "")
+                if first:
+                    first = False
+                    self._fill_first_event(out, res, arrived, seq)
+                yield out
+                if ev.finish_reason:
+                    return
+        finally:
+            if seq in self.scheduler.running or seq in self.scheduler.prefilling:
+                self.scheduler.cancel(seq)           # retire callback releases
+            elif not seq.finished and not keep_reservation:
+                self.table.release(res.reservation_id, "generate ended before insertion")
+
+    async def _await_transfer(self, res: Reservation, deadline: float, context) -> bool:
+        attempt = res.attempt
+        try:
+            await asyncio.wait_for(attempt.done.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"KV transfer not complete before the deadline (state {attempt.state.name})")
+        if res.released:
+            await context.abort(grpc.StatusCode.ABORTED, f"reservation released: {attempt.detail}")
+        if attempt is not res.attempt:
+            await context.abort(grpc.StatusCode.ABORTED, "reservation re-armed for a new transfer")
+        if attempt.state != TransferState.SUCCESS:
+            # keep the blocks: the gateway may retry into them (Rearm) while the lease lasts
+            context.set_trailing_metadata((("epd-reservation-kept", "1"),))
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {attempt.detail}")
+        return False
+
+    async def _start_colocated(self, request: pb.GenerateRequest, res: Reservation, seq: Sequence, deadline: float, context) -> None:
+        token_ids = list(request.token_ids)
+        keys = [im.cache_key for im in request.images]
+        if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys) != res.token_digest:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
+        try:
+            embeddings = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
+            embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
+        except EmbeddingFetchError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except AdapterInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        res.inserted = True
+        self.scheduler.insert_colocated(seq, embeds)
+
+    def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
+        a = res.attempt
+        metric = pb.TransferMetric(alloc_latency_s=res.alloc_ms / 1000)
+        if a.first_chunk_at is not None and a.completed_at is not None:
+            metric.transfer_latency_s = a.completed_at - a.first_chunk_at
+            metric.transfer_total_bytes = a.bytes_received
+            metric.chunks = a.total_chunks or len(a.received)
+        if a.prefill_ms is not None:
+            metric.prefill_ms = a.prefill_ms
+        out.transfer.CopyFrom(metric)
+        # disaggregated: time this request waited on decode for its KV; colocated: 0
+        out.queue_ms = max(0.0, (a.completed_at - arrived) * 1000) if a.completed_at and not seq.first_step_ms else 0.0
+        out.first_step_ms = seq.first_step_ms or 0.0  # colocated: the step that produced the first token
+
+    def local_stats(self) -> dict[str, int]:
+        return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
+                "free_blocks": self.pool.free_blocks, "running_seqs": len(self.scheduler.running),
+                "in_flight": self.table.active}
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        samples = self.timings.since(request.since_sample)
+        return pb.WorkerStats(
+            role="decode", address=self.address, serving=self.serving,
+            queue_depth=len(self.scheduler.prefilling) + sum(1 for r in self.table._by_id.values() if not r.inserted),
+            in_flight=self.table.active, running_seqs=len(self.scheduler.running),
+            free_blocks=self.pool.free_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            reservations_active=self.table.active, pending_chunks=self.table.pending_chunks,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
+            last_sample=self.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
+            max_batch=self.scheduler.max_observed_batch,
+        )
+

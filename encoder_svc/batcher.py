@@ -1,0 +1,81 @@
+"""Micro-batching of concurrent encode requests.
+
+Images submitted within ``window_ms`` of each other (up to ``max_batch``) run
+through the vision tower as one batch in a worker thread. Each submitter awaits
+its own future; a failed batch fails exactly its members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from PIL import Image
+
+from runtime.model_adapter import VLMAdapter
+from runtime.timing_log import TimingLog
+
+
+class EncodeBatcher:
+    def __init__(self, adapter: VLMAdapter, *, max_batch: int = 16, window_ms: float = 3.0, timings: TimingLog | None = None,
+                 stall_ms: float = 0.0):
+        self.adapter = adapter
+        self.max_batch = max_batch
+        self.window_s = window_ms / 1000
+        self.timings = timings or TimingLog()
+        self.stall_ms = stall_ms          # fault injection: encoder stall
+        self.computes = 0
+        self.max_observed_batch = 0
+        self._pending: list[tuple[Image.Image, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="encode-batcher")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for _, fut in self._pending:
+            if not fut.done():
+                fut.set_exception(RuntimeError("encoder stopping"))
+        self._pending.clear()
+
+    async def encode(self, image: Image.Image) -> torch.Tensor:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((image, fut))
+        self._wake.set()
+        return await fut
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            if self.window_s and len(self._pending) < self.max_batch:
+                await asyncio.sleep(self.window_s)
+            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+            batch = [(im, f) for im, f in batch if not f.cancelled()]
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                if self.stall_ms:
+                    await asyncio.sleep(self.stall_ms / 1000)
+                outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _ in batch])
+            except Exception as exc:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.timings.record("encode", len(batch), (time.perf_counter() - started) * 1000)
+            self.computes += len(batch)
+            self.max_observed_batch = max(self.max_observed_batch, len(batch))
+            for (_, fut), out in zip(batch, outputs):
+                if not fut.done():
+                    fut.set_result(out)

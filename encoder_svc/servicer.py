@@ -1,0 +1,103 @@
+"""The Encoder gRPC service: image bytes in, embeddings into the encoder cache.
+
+A request names each image by its content key (computed by the gateway from the
+decoded pixels, the model fingerprint and the preprocessing digest). The key is
+re-derived here and must match, so a wrong key can never poison the shared cache.
+Concurrent misses for one key are merged into one encode (single-flight, across
+replicas when the cache is Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+
+import grpc
+from PIL import Image, UnidentifiedImageError
+
+from cache.encoder_cache import EncoderCache
+from cache.keys import image_content_key, preprocess_digest
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.errors import InvalidImage
+from runtime.model_adapter import VLMAdapter
+from runtime.wire import tensor_to_pb
+
+from .batcher import EncodeBatcher
+
+
+class EncoderServicer(pb_grpc.EncoderServicer):
+    def __init__(self, adapter: VLMAdapter, cache: EncoderCache, batcher: EncodeBatcher):
+        self.adapter = adapter
+        self.cache = cache
+        self.batcher = batcher
+        self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
+        self.address = ""
+        self.serving = True
+        self.in_flight = 0
+        self.cache_hits = 0
+
+    def key_for(self, image: Image.Image) -> str:
+        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest)
+
+    def _decode_image(self, data: bytes) -> Image.Image:
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise InvalidImage(f"not a decodable image: {exc}") from exc
+        return self.adapter.validate_image(image)
+
+    async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
+        started = time.perf_counter()
+        self.in_flight += 1
+        try:
+            out = []
+            for ref in request.images:
+                tensor, hit = None, False
+                if not ref.data:
+                    tensor = await self.cache.get(ref.cache_key)
+                    if tensor is None:
+                        await context.abort(grpc.StatusCode.NOT_FOUND, f"embedding {ref.cache_key} not cached and no bytes sent")
+                    hit, ref_key = True, ref.cache_key
+                else:
+                    try:
+                        image = self._decode_image(ref.data)
+                    except InvalidImage as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    key = self.key_for(image)
+                    if ref.cache_key and ref.cache_key != key:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
+                    tensor, hit = await self.cache.get_or_compute(key, lambda image=image: self.batcher.encode(image))
+                    ref_key = key
+                self.cache_hits += hit
+                item = pb.EncodedImage(cache_key=ref.cache_key or ref_key, cache_hit=hit, tokens=int(tensor.shape[0]))
+                if request.return_embeddings:
+                    item.embedding.CopyFrom(tensor_to_pb(tensor))
+                out.append(item)
+            return pb.EncodeResponse(images=out, encode_ms=(time.perf_counter() - started) * 1000)
+        finally:
+            self.in_flight -= 1
+
+    async def Cached(self, request: pb.CachedRequest, context) -> pb.CachedResponse:
+        return pb.CachedResponse(cached=await self.cache.contains_many(list(request.cache_keys)))
+
+    async def drain(self, timeout_s: float) -> None:
+        self.serving = False
+        end = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    def local_stats(self) -> dict[str, int]:
+        return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight}
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        samples = self.batcher.timings.since(request.since_sample)
+        return pb.WorkerStats(
+            role="encoder", address=self.address, serving=self.serving, queue_depth=self.batcher.queue_depth,
+            in_flight=self.in_flight, computes=self.batcher.computes, cache_hits=self.cache_hits,
+            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
+            last_sample=self.batcher.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
+            max_batch=self.batcher.max_observed_batch, preprocess_digest=self.preprocess_digest,
+        )

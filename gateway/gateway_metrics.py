@@ -1,0 +1,15 @@
+"""Prometheus metrics the orchestration layer owns (HTTP-level ones live in metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PLACEMENT = Counter("epd:placement_total", "Placement decisions", ["placement", "reason"])
+ADMISSION_REJECTED = Counter("epd:admission_rejected_total", "Requests refused at admission", ["reason"])
+QUEUE_DEPTH = Gauge("epd:queue_depth", "Requests queued per stage (sum over healthy workers)", ["stage"])
+KV_TRANSFER_BYTES = Counter("epd:kv_transfer_bytes_total", "KV bytes handed from prefill to decode")
+KV_TRANSFER_LATENCY = Histogram("epd:kv_transfer_latency_seconds", "KV transfer latency (first chunk to verified)",
+                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+KV_TRANSFER_FAILED = Counter("epd:kv_transfer_failed_total", "Failed KV transfer attempts")
+FAILURE_ACTIONS = Counter("epd:transfer_failure_actions_total", "What the gateway did after a failed transfer", ["action"])
+ENCODER_CACHE_CHECKS = Counter("epd:gateway_image_cache_checks_total", "Images checked against the encoder cache", ["cached"])

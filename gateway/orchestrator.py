@@ -1,0 +1,335 @@
+"""The gateway's ChatBackend: admission, placement, and driving E -> P -> D over gRPC.
+
+Life of one request (the deadline travels in every message and as every RPC's timeout):
+
+1. keys: content keys for its images; ask an encoder which are cached already;
+2. admission: estimate TTFT for each placement from live worker loads and the
+   online-calibrated cost model; refuse at once (429 + Retry-After) if none meets
+   the deadline or no decode capacity will exist;
+3. encode the images that are not cached (the encoder fills the cache);
+4. reserve decode blocks (fails fast when they cannot fit), then either
+   - colocated: ``Decode.Generate(colocated)`` prefills on the decode worker, or
+   - disaggregated: ``Decode.Generate`` waits for KV while ``Prefill.Prefill``
+     pushes it chunk by chunk into the reservation;
+5. on a failed transfer, the failure policy picks retry / other decode worker /
+   re-prefill / fail from the time left; every path releases the reservation
+   (``Decode.Release`` is idempotent, and the lease reaper backs it up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cache.keys import image_content_key
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.cost_model import CostModel
+from runtime.placement_policy import (
+    DecodeWorkerLoad,
+    EncoderLoad,
+    PlacementDecision,
+    PrefillWorkerLoad,
+    RequestShape,
+    StageLoads,
+    admit,
+    on_transfer_failure,
+)
+from runtime.service_times import ServiceTimes
+from runtime.wire import sampling_to_pb, token_digest
+
+from . import gateway_metrics as m
+from .chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
+from .settings import GatewaySettings
+from .worker_registry import WorkerHandle, WorkerRegistry
+
+log = logging.getLogger("epd.gateway")
+
+# CPU-scale priors; replaced by online calibration from worker timings within a few requests.
+CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_step_base_ms=5.0,
+                         decode_step_ms_per_seq=0.5, decode_slots=64, kv_bytes_per_token=4096,
+                         link_setup_ms=1.0, link_bytes_per_s=1e9, encode_base_ms=5.0, encode_ms_per_image=5.0,
+                         encode_cache_hit_ms=0.5)
+
+
+class TransferFailed(Exception):
+    def __init__(self, detail: str, worker_lost: str | None = None):
+        super().__init__(detail)
+        self.worker_lost = worker_lost
+
+
+def _now_unix_ms(deadline_monotonic: float) -> int:
+    return int((time.time() + (deadline_monotonic - time.monotonic())) * 1000)
+
+
+class Orchestrator:
+    def __init__(self, settings: GatewaySettings, registry: WorkerRegistry | None = None):
+        self.settings = settings
+        self.cost_model = CostModel(prior=CPU_PRIOR, min_points=4)
+        static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
+        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe)
+        self.chunk_tokens = settings.prefill_chunk_tokens
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def close(self) -> None:
+        await self.registry.close()
+
+    def healthy(self) -> bool:
+        r = self.registry
+        prefill_ok = bool(r.healthy("prefill")) or not r.workers["prefill"]
+        return bool(r.healthy("encoder")) and bool(r.healthy("decode")) and prefill_ok
+
+    def status(self) -> dict:
+        return {**self.registry.status(), "placement_mode": self.settings.placement,
+                "cost_model": self.cost_model.calibration()}
+
+    def _observe(self, role: str, s: pb.TimingSample) -> None:
+        if s.kind == "prefill":
+            self.cost_model.observe_prefill(int(s.size), s.ms)
+        elif s.kind == "decode_step":
+            self.cost_model.observe_decode_step(int(s.size), s.ms)
+        elif s.kind == "transfer":
+            self.cost_model.observe_transfer(int(s.size), s.ms)
+        elif s.kind == "encode":
+            self.cost_model.observe_encode(int(s.size), s.ms)
+
+    # -- load signals -------------------------------------------------------------
+    def _stage_loads(self) -> StageLoads:
+        decode = []
+        for h in self.registry.healthy("decode"):
+            s = h.stats
+            running = s.running_seqs + h.inflight
+            decode.append(DecodeWorkerLoad(
+                address=h.address, running_seqs=running, free_slots=max(0, 64 - running),
+                free_blocks=s.free_blocks, block_size=max(1, s.block_size),
+                queue_wait_ms=self.cost_model.prefill_ms(s.queued_prefill_tokens) if s.queued_prefill_tokens else 0.0,
+            ))
+        prefill = []
+        for h in self.registry.healthy("prefill"):
+            s = h.stats
+            queued = s.queued_prefill_tokens
+            prefill.append(PrefillWorkerLoad(address=h.address,
+                                             queue_wait_ms=self.cost_model.prefill_ms(queued) if queued else 0.0))
+        enc = self.registry.healthy("encoder")
+        encoder = EncoderLoad(queue_wait_ms=min((h.stats.queue_depth for h in enc), default=0) * self.cost_model.encode_ms(1))
+        return StageLoads(decode=tuple(decode), prefill=tuple(prefill), encoder=encoder)
+
+    # -- the request ---------------------------------------------------------------
+    async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
+        remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000
+        if remaining_ms <= 0:
+            raise DeadlineExceeded("the TTFT deadline passed before admission")
+        breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
+        refs, keys, n_cached, encoder = await self._image_refs(job)
+        shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
+                             n_images=len(job.images), n_images_cached=n_cached)
+        admission = admit(shape, self._stage_loads(), self.cost_model, self.settings.placement, remaining_ms,
+                          job.itl_slo_ms, transfer_chunk_tokens=self.chunk_tokens, local_chunk_tokens=self.chunk_tokens)
+        if not admission.ok:
+            m.ADMISSION_REJECTED.labels(admission.reason).inc()
+            status = 503 if admission.reason == "no_decode_workers" else 429
+            raise AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s)
+        decision = admission.decision
+        m.PLACEMENT.labels(decision.placement, decision.reason).inc()
+        breakdown["estimated_ttft_ms"] = decision.estimates.get("ttft_ms", 0.0)
+
+        if encoder is not None and n_cached < len(refs):
+            t0 = time.monotonic()
+            try:
+                resp = await encoder.stub.Encode(
+                    pb.EncodeRequest(request_id=job.request_id, images=refs, return_embeddings=False),
+                    timeout=self._left_s(job))
+            except grpc.aio.AioRpcError as exc:
+                raise self._rpc_failure("encoder", encoder, exc, job)
+            breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
+            breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
+        elif refs:
+            breakdown["encode_ms"] = 0.0
+            breakdown["images_cache_hit"] = float(len(refs))
+        digest = token_digest(job.token_ids, keys)
+        async for event in self._run_placement(job, shape, decision, refs, digest, breakdown):
+            yield event
+
+    async def _image_refs(self, job: ChatJob):
+        if not job.images:
+            return [], [], 0, None
+        encoders = self.registry.healthy("encoder")
+        if not encoders:
+            m.ADMISSION_REJECTED.labels("no_encoder_workers").inc()
+            raise AdmissionRefused(503, "no healthy encoder worker", 1.0)
+        encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
+        fp, digest = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest
+        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest) for im in job.images])
+        try:
+            cached = list((await encoder.stub.Cached(pb.CachedRequest(cache_keys=keys), timeout=1.0)).cached)
+        except grpc.aio.AioRpcError:
+            cached = [False] * len(keys)
+        for c in cached:
+            m.ENCODER_CACHE_CHECKS.labels(str(bool(c)).lower()).inc()
+        refs = [pb.ImageRef(cache_key=k, data=im.data, encoder_address=encoder.address) for k, im in zip(keys, job.images)]
+        return refs, keys, sum(cached), encoder
+
+    def _left_s(self, job: ChatJob) -> float:
+        return max(0.001, job.ttft_deadline_s - time.monotonic())
+
+    def _rpc_failure(self, role: str, h: WorkerHandle, exc: grpc.aio.AioRpcError, job: ChatJob) -> Exception:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= job.ttft_deadline_s:
+            return DeadlineExceeded(f"{role} did not answer before the deadline")
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return BackendFailure(f"{role} rejected the request: {exc.details()}", 502)
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE,):
+            self.registry.mark_unhealthy(role, h.address)
+        return BackendFailure(f"{role} worker {h.address} failed: {exc.code().name}: {exc.details()}", 503)
+
+    async def _reserve(self, h: WorkerHandle, job: ChatJob, digest: str) -> pb.Reservation:
+        try:
+            resp = await h.stub.Reserve(pb.ReserveRequest(
+                request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
+                deadline_unix_ms=_now_unix_ms(job.ttft_deadline_s), token_digest=digest,
+                model_fingerprint=h.stats.model_fingerprint), timeout=self._left_s(job))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                m.ADMISSION_REJECTED.labels("no_decode_capacity").inc()
+                raise AdmissionRefused(429, f"decode capacity: {exc.details()}", 1.0) from exc
+            raise self._rpc_failure("decode", h, exc, job) from exc
+        return resp.reservation
+
+    async def _release(self, h: WorkerHandle, reservation: pb.Reservation | None, job: ChatJob, reason: str) -> None:
+        if reservation is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await h.stub.Release(pb.ReleaseRequest(request_id=job.request_id, reservation=reservation, reason=reason),
+                                 timeout=2.0)
+
+    async def _run_placement(self, job: ChatJob, shape: RequestShape, decision: PlacementDecision,
+                             refs: list[pb.ImageRef], digest: str, breakdown: dict[str, float]) -> AsyncIterator[TokenEvent]:
+        decode = self.registry.get("decode", decision.decode_worker)
+        prefill = self.registry.get("prefill", decision.prefill_worker) if decision.prefill_worker else None
+        colocated = decision.placement == "colocated"
+        reservation = await self._reserve(decode, job, digest)
+        attempts = 0
+        decode.inflight += 1
+        try:
+            while True:
+                try:
+                    stream, first = await self._start_attempt(job, decode, prefill, reservation, refs, digest, colocated, breakdown)
+                    break
+                except TransferFailed as failure:
+                    attempts += 1
+                    m.KV_TRANSFER_FAILED.inc()
+                    if failure.worker_lost:
+                        self.registry.mark_unhealthy("prefill", failure.worker_lost)
+                    others = [h for h in self.registry.healthy("decode") if h.address != decode.address]
+                    free_prefill = [h for h in self.registry.healthy("prefill") if prefill is None or h.address != prefill.address]
+                    action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, True, attempts, shape,
+                                                 self.cost_model, bool(others), bool(free_prefill))
+                    m.FAILURE_ACTIONS.labels(action.kind).inc()
+                    log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",
+                                job.request_id, attempts, failure, action.kind, action.reason)
+                    if action.kind == "fail":
+                        if time.monotonic() >= job.ttft_deadline_s:
+                            raise DeadlineExceeded(f"KV transfer failed and the deadline passed: {failure}") from None
+                        raise BackendFailure(f"KV transfer failed and no recovery fits the time left: {failure}", 503) from None
+                    if action.kind == "other_decode":
+                        await self._release(decode, reservation, job, "moving to another decode worker")
+                        decode.inflight -= 1
+                        decode = min(others, key=lambda h: h.inflight + h.stats.running_seqs)
+                        decode.inflight += 1
+                        reservation = None
+                        reservation = await self._reserve(decode, job, digest)
+                    else:
+                        if action.kind == "reprefill" and free_prefill:
+                            prefill = min(free_prefill, key=lambda h: h.inflight + h.stats.queue_depth)
+                        reservation = await self._rearm(decode, reservation, job)
+            first.ttft_breakdown = breakdown
+            yield first
+            if first.finish_reason:
+                return
+            async for ev in stream:
+                yield TokenEvent(list(ev.token_ids), ev.finish_reason or None)
+                if ev.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_failure("decode", decode, exc, job) from exc
+        finally:
+            decode.inflight -= 1
+            await self._release(decode, reservation, job, "request ended")
+
+    async def _rearm(self, decode: WorkerHandle, reservation: pb.Reservation, job: ChatJob) -> pb.Reservation:
+        try:
+            resp = await decode.stub.Rearm(pb.RearmRequest(request_id=job.request_id, reservation=reservation),
+                                           timeout=self._left_s(job))
+        except grpc.aio.AioRpcError as exc:
+            raise self._rpc_failure("decode", decode, exc, job) from exc
+        return resp.reservation
+
+    async def _start_attempt(self, job, decode: WorkerHandle, prefill: WorkerHandle | None, reservation: pb.Reservation,
+                             refs, digest, colocated: bool, breakdown: dict[str, float]):
+        """Open the decode stream (and the prefill push); return (stream, first TokenEvent) or raise TransferFailed."""
+        e2e_timeout = self._left_s(job) + job.max_tokens * max(job.itl_slo_ms, 1000.0) / 1000.0
+        request = pb.GenerateRequest(request_id=job.request_id, reservation=reservation, max_tokens=job.max_tokens,
+                                     sampling=sampling_to_pb(job.sampling), deadline_unix_ms=_now_unix_ms(job.ttft_deadline_s))
+        if colocated:
+            request.colocated = True
+            request.token_ids.extend(job.token_ids)
+            request.images.extend(refs)
+            request.chunk_tokens = self.chunk_tokens
+        stream = decode.stub.Generate(request, timeout=e2e_timeout)
+        prefill_task = None
+        t0 = time.monotonic()
+        if not colocated:
+            prefill.inflight += 1
+            prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
+                request_id=job.request_id, token_ids=job.token_ids, images=refs, sampling=sampling_to_pb(job.sampling),
+                decode_address=decode.address, reservation=reservation, chunk_tokens=self.chunk_tokens,
+                deadline_unix_ms=_now_unix_ms(job.ttft_deadline_s), token_digest=digest), timeout=self._left_s(job)))
+        first_task = asyncio.ensure_future(anext(stream.__aiter__()))
+        try:
+            pending = {first_task} | ({prefill_task} if prefill_task else set())
+            while not first_task.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task in done and prefill_task.exception() is not None:
+                    exc = prefill_task.exception()
+                    stream.cancel()
+                    lost = prefill.address if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                    detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    raise TransferFailed(f"prefill: {detail}", lost)
+            try:
+                ev = first_task.result()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED and not colocated:
+                    raise TransferFailed(f"decode: {exc.details()}") from None
+                raise
+            except StopAsyncIteration:
+                raise BackendFailure("decode stream ended without a token", 502) from None
+        except BaseException:
+            first_task.cancel()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            raise
+        finally:
+            if prefill is not None and not colocated:
+                prefill.inflight -= 1
+        if prefill_task is not None:
+            with contextlib.suppress(BaseException):
+                result = await asyncio.wait_for(asyncio.shield(prefill_task), 1.0)
+                breakdown["prefill_ms"] = result.prefill_ms
+                breakdown["transfer_ms"] = result.transfer_ms
+        t = ev.transfer
+        if t.HasField("transfer_total_bytes"):
+            m.KV_TRANSFER_BYTES.inc(t.transfer_total_bytes)
+            breakdown["transfer_bytes"] = float(t.transfer_total_bytes)
+        if t.HasField("transfer_latency_s"):
+            m.KV_TRANSFER_LATENCY.observe(t.transfer_latency_s)
+        if colocated:
+            breakdown["colocated_prefill_ms"] = ev.first_step_ms
+        breakdown["decode_wait_ms"] = ev.queue_ms
+        breakdown["pipeline_ms"] = (time.monotonic() - t0) * 1000
+        return stream, TokenEvent(list(ev.token_ids), ev.finish_reason or None)

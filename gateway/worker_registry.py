@@ -1,0 +1,156 @@
+"""The gateway's live view of every worker: addresses, health, load and timings.
+
+Discovery: static addresses from settings, plus (with Redis) every worker that
+registered itself with a heartbeat. A poll loop calls each worker's ``Stats``
+every ``poll_s``: success marks it healthy and refreshes its load; a failure marks
+it unhealthy at once (routed around) and it is taken back as soon as a poll
+succeeds again. Workers that vanish from Redis are dropped.
+
+Timing samples in the stats feed the cost model (``on_sample``), so its
+coefficients are calibrated online from what the workers measure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.discovery import list_workers
+from runtime.wire import GRPC_OPTIONS
+
+log = logging.getLogger("epd.gateway.registry")
+
+ROLES = ("encoder", "prefill", "decode")
+_STUBS = {"encoder": pb_grpc.EncoderStub, "prefill": pb_grpc.PrefillStub, "decode": pb_grpc.DecodeStub}
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    role: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    static: bool = False
+    healthy: bool = False
+    stats: pb.WorkerStats | None = None
+    last_ok: float | None = None
+    last_sample: int = 0
+    failures: int = 0
+    inflight: int = field(default=0)   # requests this gateway currently has on the worker
+
+    def describe(self) -> dict:
+        s = self.stats
+        out: dict = {"address": self.address, "healthy": self.healthy, "inflight_from_gateway": self.inflight}
+        if s is not None:
+            out.update(queue_depth=s.queue_depth, in_flight=s.in_flight)
+            if self.role == "decode":
+                out.update(reservations_active=s.reservations_active, pending_chunks=s.pending_chunks,
+                           free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,
+                           max_batch_observed=s.max_batch)
+            elif self.role == "encoder":
+                out.update(computes=s.computes, cache_hits=s.cache_hits)
+            elif self.role == "prefill":
+                out.update(queued_prefill_tokens=s.queued_prefill_tokens, max_batch_observed=s.max_batch)
+        return out
+
+
+class WorkerRegistry:
+    def __init__(self, static: dict[str, list[str]], redis_url: str | None, *, poll_s: float = 0.5,
+                 on_sample: Callable[[str, pb.TimingSample], None] | None = None):
+        self.workers: dict[str, dict[str, WorkerHandle]] = {role: {} for role in ROLES}
+        self._static = static
+        self._redis = aioredis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
+        self.poll_s = poll_s
+        self.on_sample = on_sample or (lambda role, s: None)
+        self._task: asyncio.Task | None = None
+        for role, addresses in static.items():
+            for address in addresses:
+                self._add(role, address, static=True)
+
+    def _add(self, role: str, address: str, static: bool = False) -> WorkerHandle:
+        if address not in self.workers[role]:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self.workers[role][address] = WorkerHandle(role, address, channel, _STUBS[role](channel), static=static)
+        return self.workers[role][address]
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="worker-registry")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for handles in self.workers.values():
+            for h in handles.values():
+                await h.channel.close()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("worker refresh failed")
+
+    async def refresh(self) -> None:
+        if self._redis is not None:
+            try:
+                for role in ROLES:
+                    live = set(await list_workers(self._redis, role))
+                    for address in live:
+                        self._add(role, address)
+                    for address, h in list(self.workers[role].items()):
+                        if not h.static and address not in live:
+                            await h.channel.close()
+                            del self.workers[role][address]
+            except Exception as exc:
+                log.warning("discovery through Redis failed: %s", exc)
+        await asyncio.gather(*(self._poll(h) for handles in self.workers.values() for h in list(handles.values())))
+
+    async def _poll(self, h: WorkerHandle) -> None:
+        try:
+            stats = await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample), timeout=max(1.0, self.poll_s * 2))
+        except grpc.aio.AioRpcError:
+            h.healthy = False
+            h.failures += 1
+            return
+        if stats.last_sample < h.last_sample:  # the worker restarted: its sample numbering began again
+            h.last_sample = 0
+        for sample in stats.samples:
+            self.on_sample(h.role, sample)
+        h.last_sample = stats.last_sample
+        h.stats = stats
+        h.healthy = stats.serving
+        h.last_ok = time.monotonic()
+        h.failures = 0
+
+    def mark_unhealthy(self, role: str, address: str) -> None:
+        h = self.workers[role].get(address)
+        if h is not None:
+            h.healthy = False
+
+    def healthy(self, role: str) -> list[WorkerHandle]:
+        return [h for h in self.workers[role].values() if h.healthy]
+
+    def get(self, role: str, address: str) -> WorkerHandle | None:
+        return self.workers[role].get(address)
+
+    def all_stages_healthy(self) -> bool:
+        return all(self.healthy(role) for role in ("encoder", "decode"))
+
+    def status(self) -> dict:
+        return {role: [h.describe() for h in handles.values()] for role, handles in self.workers.items()}

@@ -1,0 +1,187 @@
+"""Chunked, batched prefill on a prefill worker.
+
+Queues, in order::
+
+    waiting (no scratch KV blocks free yet) -> active (one chunk per step) -> sent (final chunk queued) -> done
+
+Every step packs the next chunk of up to ``max_batch`` active prompts into one
+forward, so prompts that arrive together are prefilled together. After each
+step, each prompt's finished chunk is read out of the local scratch pool and
+handed to its ``KVSender`` at once (eager send); when the last chunk is done the
+first token is sampled and travels with it. Scratch blocks are freed as soon as
+the last chunk has been read out, on every path (done, cancelled, failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.kv_pool import KVBlockPool
+from runtime.model_adapter import PackedItem, VLMAdapter
+from runtime.sampling import SamplingParams, sample_token
+from runtime.tensor_bytes import dtype_name
+from runtime.timing_log import TimingLog
+from runtime.wire import payload_checksum
+
+from .kv_sender import KVSender
+
+log = logging.getLogger("epd.prefill")
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    request_id: str
+    embeds: torch.Tensor             # [T, hidden]
+    sampling: SamplingParams
+    chunk_tokens: int
+    reservation: pb.Reservation
+    token_digest: str
+    sender: KVSender
+    blocks: list[int] | None = None
+    next_start: int = 0
+    chunk_index: int = 0
+    first_token: int | None = None
+    compute_ms: float = 0.0
+    cancelled: bool = False
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.embeds.shape[0])
+
+    @property
+    def total_chunks(self) -> int:
+        return -(-self.prompt_len // self.chunk_tokens)
+
+
+class PrefillScheduler:
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, model_fingerprint: str, max_batch: int = 8,
+                 timings: TimingLog | None = None):
+        self.adapter = adapter
+        self.pool = pool
+        self.model_fingerprint = model_fingerprint
+        self.max_batch = max_batch
+        self.timings = timings or TimingLog()
+        self.waiting: list[PrefillJob] = []
+        self.active: list[PrefillJob] = []
+        self.max_observed_batch = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def submit(self, job: PrefillJob) -> None:
+        if self.pool.blocks_for(job.prompt_len) > self.pool.num_blocks:
+            raise ValueError(f"prompt of {job.prompt_len} tokens exceeds this prefill worker's scratch KV pool")
+        self.waiting.append(job)
+        self._wake.set()
+
+    def cancel(self, job: PrefillJob) -> None:
+        job.cancelled = True
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting) + len(self.active)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(j.prompt_len - j.next_start for j in (*self.waiting, *self.active))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="prefill-scheduler")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for job in [*self.waiting, *self.active]:
+            self._finish(job, RuntimeError("prefill worker stopping"))
+
+    async def _loop(self) -> None:
+        while True:
+            self._admit()
+            if not self.active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self.active[: self.max_batch]
+            try:
+                await self._step(batch)
+            except Exception as exc:
+                log.exception("prefill step failed")
+                for job in batch:
+                    self._finish(job, exc)
+
+    def _admit(self) -> None:
+        for job in [j for j in (*self.waiting, *self.active) if j.cancelled]:
+            self._finish(job, asyncio.CancelledError())
+        for job in list(self.waiting):
+            blocks = self.pool.allocate(job.prompt_len)
+            if blocks is None:
+                break  # FIFO: later prompts wait behind the first that does not fit
+            job.blocks = blocks
+            self.waiting.remove(job)
+            self.active.append(job)
+
+    async def _step(self, batch: list[PrefillJob]) -> None:
+        spans = [(job, job.next_start, min(job.prompt_len, job.next_start + job.chunk_tokens)) for job in batch]
+        started = time.perf_counter()
+        chunks, first_tokens = await asyncio.to_thread(self._forward, spans)
+        step_ms = (time.perf_counter() - started) * 1000
+        self.max_observed_batch = max(self.max_observed_batch, len(batch))
+        self.timings.record("prefill", sum(e - s for _, s, e in spans), step_ms)
+        layout = self.pool.layout
+        for (job, start, end), kv, first in zip(spans, chunks, first_tokens):
+            job.compute_ms += step_ms
+            if job.cancelled:
+                continue
+            last = end == job.prompt_len
+            msg = pb.KVChunk(
+                request_id=job.request_id, reservation=job.reservation, chunk_index=job.chunk_index,
+                layer_start=0, layer_end=self.pool.layout.layers, token_start=start, token_end=end,
+                dtype=dtype_name(layout.dtype), shape=[layout.layers, 2, end - start, layout.kv_heads, layout.head_dim],
+                payload=kv, checksum=payload_checksum(kv),
+                last=last,
+            )
+            job.next_start, job.chunk_index = end, job.chunk_index + 1
+            if last:
+                job.first_token = first
+                msg.total_chunks, msg.first_token = job.chunk_index, first
+                msg.token_digest, msg.model_fingerprint = job.token_digest, self.model_fingerprint
+                msg.prefill_ms = job.compute_ms
+            job.sender.put(msg)
+            if last:
+                job.sender.finish()
+                self._finish(job, None)
+
+    def _forward(self, spans):
+        items = [PackedItem(job.embeds[s:e], s, job.blocks, want_logits=e == job.prompt_len) for job, s, e in spans]
+        logits = self.adapter.forward_packed(self.pool, items)
+        payloads = [self.pool.read(job.blocks, s, e).contiguous().view(torch.uint8).numpy().tobytes() for job, s, e in spans]
+        firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len) for l, (job, _, _) in zip(logits, spans)]
+        return payloads, firsts
+
+    def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
+        """Retire a job from the scheduler: scratch blocks back exactly once, future resolved once."""
+        if job in self.waiting:
+            self.waiting.remove(job)
+        if job in self.active:
+            self.active.remove(job)
+        if job.blocks is not None:
+            self.pool.free(job.blocks)
+            job.blocks = None
+        if error is not None:
+            job.sender.abort()
+        if not job.done.done():
+            if error is None:
+                job.done.set_result(job.first_token)
+            else:
+                job.done.set_exception(error)

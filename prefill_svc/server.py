@@ -1,0 +1,62 @@
+"""``epd prefill``: one prefill worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import torch
+
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.embedding_fetch import EmbeddingFetcher
+from runtime.faults import FaultInjector
+from runtime.grpc_server import WorkerServer, configure_logging, run_until_signal
+from runtime.kv_pool import KVBlockPool
+from runtime.model_adapter import VLMAdapter
+from runtime.settings import WorkerSettings, parse_worker_args
+from runtime.worker_metrics import serve_worker_metrics
+
+from .scheduler import PrefillScheduler
+from .servicer import PrefillServicer
+
+
+async def build(settings: WorkerSettings) -> tuple[WorkerServer, PrefillServicer]:
+    adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
+                                      max_images=settings.max_images)
+    scratch = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
+                                             device=settings.device)
+    scheduler = PrefillScheduler(adapter, scratch, model_fingerprint=adapter.model_fingerprint,
+                                 max_batch=settings.prefill_max_batch)
+    cache = None
+    if settings.redis_url:
+        from cache import open_encoder_cache
+
+        cache = open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
+    servicer = PrefillServicer(adapter, scheduler, EmbeddingFetcher(cache),
+                               default_chunk_tokens=settings.prefill_chunk_tokens, faults=FaultInjector(settings.faults))
+    server = WorkerServer("prefill", settings, "Prefill")
+    pb_grpc.add_PrefillServicer_to_server(servicer, server.server)
+    scheduler.start()
+    servicer.address = await server.start()
+    return server, servicer
+
+
+async def _serve(settings: WorkerSettings) -> None:
+    server, servicer = await build(settings)
+    serve_worker_metrics(settings.metrics_port, lambda: servicer)
+    try:
+        await run_until_signal(server, servicer.drain)
+    finally:
+        await servicer.close()
+
+
+def main(argv: list[str]) -> int:
+    settings = parse_worker_args("prefill", argv)
+    configure_logging()
+    torch.set_grad_enabled(False)
+    asyncio.run(_serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

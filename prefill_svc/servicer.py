@@ -1,0 +1,117 @@
+"""The Prefill gRPC service: fetch embeddings by key, prefill in chunks, push KV to decode.
+
+The response returns only after decode has acknowledged every chunk (its
+transfer state is SUCCESS) or the transfer failed; the gateway decides what to
+do next from the time the request has left (retry into the held reservation,
+another decode worker, re-prefill elsewhere, or fail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.errors import AdapterInputError
+from runtime.faults import FaultInjector
+from runtime.model_adapter import VLMAdapter
+from runtime.wire import GRPC_OPTIONS, sampling_from_pb, token_digest
+
+from .kv_sender import KVSender, TransferBroken
+from .scheduler import PrefillJob, PrefillScheduler
+
+
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, adapter: VLMAdapter, scheduler: PrefillScheduler, fetcher: EmbeddingFetcher,
+                 *, default_chunk_tokens: int, faults: FaultInjector):
+        self.adapter = adapter
+        self.scheduler = scheduler
+        self.fetcher = fetcher
+        self.default_chunk_tokens = default_chunk_tokens
+        self.faults = faults
+        self.address = ""
+        self.serving = True
+        self.in_flight = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _decode_stub(self, address: str) -> pb_grpc.DecodeStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return pb_grpc.DecodeStub(self._channels[address])
+
+    async def drain(self, timeout_s: float) -> None:
+        self.serving = False
+        end = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.scheduler.stop()
+        await self.fetcher.close()
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; re-prefill elsewhere")
+        remaining = context.time_remaining()
+        timeout_s = remaining if remaining is not None else 600.0
+        started = time.monotonic()
+        token_ids = list(request.token_ids)
+        keys = [im.cache_key for im in request.images]
+        digest = token_digest(token_ids, keys)
+        if request.token_digest and request.token_digest != digest:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token digest does not match token ids and image keys")
+        self.in_flight += 1
+        job = None
+        try:
+            try:
+                embeddings = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
+                embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
+            except EmbeddingFetchError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except AdapterInputError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults)
+            job = PrefillJob(
+                request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
+                chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, reservation=request.reservation,
+                token_digest=digest, sender=sender,
+            )
+            try:
+                self.scheduler.submit(job)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            sender.start()
+            try:
+                first_token = await job.done
+                ack = await sender.wait()
+            except TransferBroken as exc:
+                await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            transfer_ms = ((sender.done_at or time.monotonic()) - (sender.first_send_at or started)) * 1000
+            self.scheduler.timings.record("transfer", sender.bytes_sent, transfer_ms)
+            return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent,
+                                      prefill_ms=job.compute_ms, transfer_ms=transfer_ms, decode_state=ack.state)
+        finally:
+            self.in_flight -= 1
+            if job is not None and not job.done.done():
+                self.scheduler.cancel(job)      # gateway cancelled or deadline passed
+                job.sender.abort()
+
+    def local_stats(self) -> dict[str, int]:
+        return {"queue_depth": self.scheduler.queue_depth, "in_flight": self.in_flight}
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        samples = self.scheduler.timings.since(request.since_sample)
+        return pb.WorkerStats(
+            role="prefill", address=self.address, serving=self.serving, queue_depth=self.scheduler.queue_depth,
+            in_flight=self.in_flight, queued_prefill_tokens=self.scheduler.queued_tokens,
+            free_blocks=self.scheduler.pool.free_blocks, total_blocks=self.scheduler.pool.num_blocks,
+            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
+            last_sample=self.scheduler.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
+            max_batch=self.scheduler.max_observed_batch,
+        )

@@ -1,0 +1,335 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ImageRef(_message.Message):
+    __slots__ = ("cache_key", "data", "encoder_address")
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    cache_key: str
+    data: bytes
+    encoder_address: str
+    def __init__(self, cache_key: _Optional[str] = ..., data: _Optional[bytes] = ..., encoder_address: _Optional[str] = ...) -> None: ...
+
+class TimingSample(_message.Message):
+    __slots__ = ("kind", "size", "ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    size: float
+    ms: float
+    def __init__(self, kind: _Optional[str] = ..., size: _Optional[float] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("since_sample",)
+    SINCE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    since_sample: int
+    def __init__(self, since_sample: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    serving: bool
+    queue_depth: int
+    in_flight: int
+    running_seqs: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    reservations_active: int
+    pending_chunks: int
+    queued_prefill_tokens: int
+    computes: int
+    cache_hits: int
+    samples: _containers.RepeatedCompositeFieldContainer[TimingSample]
+    last_sample: int
+    model_fingerprint: str
+    max_batch: int
+    preprocess_digest: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images", "return_embeddings")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    return_embeddings: bool
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., return_embeddings: _Optional[bool] = ...) -> None: ...
+
+class EncodedImage(_message.Message):
+    __slots__ = ("cache_key", "cache_hit", "tokens", "embedding")
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    cache_key: str
+    cache_hit: bool
+    tokens: int
+    embedding: Tensor
+    def __init__(self, cache_key: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., tokens: _Optional[int] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("images", "encode_ms")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
+    encode_ms: float
+    def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ..., encode_ms: _Optional[float] = ...) -> None: ...
+
+class CachedRequest(_message.Message):
+    __slots__ = ("cache_keys",)
+    CACHE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    cache_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CachedResponse(_message.Message):
+    __slots__ = ("cached",)
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    cached: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, cached: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("reservation_id", "generation")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    generation: int
+    def __init__(self, reservation_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "deadline_unix_ms", "token_digest", "model_fingerprint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    deadline_unix_ms: int
+    token_digest: str
+    model_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation", "blocks", "alloc_ms")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation: Reservation
+    blocks: int
+    alloc_ms: float
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., blocks: _Optional[int] = ..., alloc_ms: _Optional[float] = ...) -> None: ...
+
+class RearmRequest(_message.Message):
+    __slots__ = ("request_id", "reservation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation: Reservation
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation: Reservation
+    chunk_index: int
+    layer_start: int
+    layer_end: int
+    token_start: int
+    token_end: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload: bytes
+    checksum: str
+    last: bool
+    total_chunks: int
+    first_token: int
+    token_digest: str
+    model_fingerprint: str
+    prefill_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates", "rejected", "state", "detail")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    rejected: int
+    state: str
+    detail: str
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation: Reservation
+    max_tokens: int
+    sampling: SamplingParams
+    deadline_unix_ms: int
+    colocated: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class TransferMetric(_message.Message):
+    __slots__ = ("transfer_latency_s", "alloc_latency_s", "transfer_total_bytes", "chunks", "prefill_ms")
+    TRANSFER_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_latency_s: float
+    alloc_latency_s: float
+    transfer_total_bytes: int
+    chunks: int
+    prefill_ms: float
+    def __init__(self, transfer_latency_s: _Optional[float] = ..., alloc_latency_s: _Optional[float] = ..., transfer_total_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    transfer: TransferMetric
+    queue_ms: float
+    first_step_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "reservation", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservation: Reservation
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "images", "sampling", "decode_address", "reservation", "chunk_tokens", "deadline_unix_ms", "token_digest")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    sampling: SamplingParams
+    decode_address: str
+    reservation: Reservation
+    chunk_tokens: int
+    deadline_unix_ms: int
+    token_digest: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "chunks_sent", "bytes_sent", "prefill_ms", "transfer_ms", "decode_state")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STATE_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    chunks_sent: int
+    bytes_sent: int
+    prefill_ms: float
+    transfer_ms: float
+    decode_state: str
+    def __init__(self, first_token: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_state: _Optional[str] = ...) -> None: ...

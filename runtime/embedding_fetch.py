@@ -1,0 +1,69 @@
+"""Getting image embeddings by cache key, for whichever stage runs the prompt.
+
+Order: the shared encoder cache (Redis, when configured) -> the encoder named in
+the image ref, asked to return the tensor (it hits its own cache or re-encodes
+from the bytes that travel with the ref). A missing payload is therefore a
+transparent re-encode, never an error. The gateway only ever passes keys and refs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+
+from .wire import GRPC_OPTIONS, tensor_from_pb
+
+log = logging.getLogger("epd.embeddings")
+
+
+class EmbeddingFetchError(RuntimeError):
+    pass
+
+
+class EmbeddingFetcher:
+    def __init__(self, cache=None):
+        self.cache = cache   # object with ``async get(key) -> Tensor | None``, or None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.EncoderStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return pb_grpc.EncoderStub(self._channels[address])
+
+    async def fetch(self, request_id: str, images: Sequence[pb.ImageRef], timeout_s: float) -> list[torch.Tensor]:
+        found: dict[int, torch.Tensor] = {}
+        if self.cache is not None:
+            for i, ref in enumerate(images):
+                try:
+                    t = await self.cache.get(ref.cache_key)
+                except Exception as exc:  # cache trouble degrades to asking the encoder
+                    log.warning("encoder cache get failed: %s", exc)
+                    t = None
+                if t is not None:
+                    found[i] = t
+        missing = [i for i in range(len(images)) if i not in found]
+        by_encoder: dict[str, list[int]] = {}
+        for i in missing:
+            if not images[i].encoder_address:
+                raise EmbeddingFetchError(f"embedding {images[i].cache_key} not cached and no encoder named")
+            by_encoder.setdefault(images[i].encoder_address, []).append(i)
+        for address, idx in by_encoder.items():
+            req = pb.EncodeRequest(request_id=request_id, images=[images[i] for i in idx], return_embeddings=True)
+            try:
+                resp = await self._stub(address).Encode(req, timeout=max(0.05, timeout_s))
+            except grpc.aio.AioRpcError as exc:
+                raise EmbeddingFetchError(f"encoder {address}: {exc.code().name}: {exc.details()}") from exc
+            for i, enc in zip(idx, resp.images):
+                found[i] = tensor_from_pb(enc.embedding)
+        return [found[i] for i in range(len(images))]
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

@@ -1,0 +1,91 @@
+"""Worker settings: typed, from ``EPD_*`` environment variables, overridable by CLI flags.
+
+The same variables configure ``epd serve``, docker compose and Kubernetes.
+Invalid values raise a clear error at start-up, never later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_PORTS = {"encoder": 50051, "prefill": 50052, "decode": 50053}
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
+
+    model: str = "models/demo-vlm"
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)           # 0 => the role's default
+    advertise_host: str | None = None
+    redis_url: str | None = None
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    # encoder
+    encoder_max_batch: int = Field(default=16, ge=1)
+    encoder_batch_window_ms: float = Field(default=3.0, ge=0)
+    cache_max_mb: int = Field(default=256, ge=1)
+    cache_ttl_s: int = Field(default=3600, ge=1)
+    max_images: int = Field(default=4, ge=0)
+    # prefill
+    prefill_chunk_tokens: int = Field(default=256, ge=1)
+    prefill_max_batch: int = Field(default=8, ge=1)
+    # decode
+    kv_memory_mb: int = Field(default=256, ge=1)
+    kv_block_size: int = Field(default=16, ge=1)
+    decode_max_batch: int = Field(default=64, ge=1)
+    lease_margin_s: float = Field(default=10.0, ge=0)
+    # fault injection (off by default; see runtime/faults.py)
+    faults: str = ""
+
+    @field_validator("device")
+    @classmethod
+    def _cuda_available(cls, v: str) -> str:
+        if v == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda requested but torch sees no CUDA device (install a CUDA build of torch)")
+        return v
+
+    def resolved_port(self, role: str) -> int:
+        return self.port or DEFAULT_PORTS[role]
+
+    def advertised_address(self, role: str, bound_port: int) -> str:
+        host = self.advertise_host
+        if not host:
+            if self.host in ("0.0.0.0", "::", ""):
+                try:
+                    host = socket.gethostbyname(socket.gethostname())
+                except OSError:
+                    host = "127.0.0.1"
+            else:
+                host = self.host
+        return f"{host}:{bound_port}"
+
+
+def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
+    """CLI flags override environment; unknown flags are an error."""
+    p = argparse.ArgumentParser(prog=f"epd {role}", description=f"run one {role} worker")
+    p.add_argument("--model")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--advertise-host")
+    p.add_argument("--redis-url")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--kv-memory-mb", type=int)
+    p.add_argument("--prefill-chunk-tokens", type=int)
+    p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")
+    args = p.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return WorkerSettings(**overrides)

@@ -1,0 +1,60 @@
+"""Conversions between protobuf messages and runtime objects (tensors, sampling, digests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import blake3
+import torch
+
+from proto.epd.v1 import epd_pb2 as pb
+
+from . import tensor_bytes
+from .sampling import SamplingParams
+
+# Explicit on both ends (the gRPC default of 4 MiB is too small for KV chunks).
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    enc = tensor_bytes.encode(t)
+    return pb.Tensor(dtype=enc.dtype, shape=list(enc.shape), data=enc.payload)
+
+
+def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
+    return tensor_bytes.decode(msg.dtype, tuple(msg.shape), msg.data)
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=round(float(msg.temperature), 6),
+        top_p=round(float(msg.top_p), 6) if msg.top_p else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def token_digest(token_ids: Sequence[int], image_keys: Sequence[str]) -> str:
+    """What prefill and decode must agree on before a sequence is inserted."""
+    h = blake3.blake3()
+    h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    for key in image_keys:
+        h.update(b"|" + key.encode())
+    return h.hexdigest()[:32]
+
+
+def payload_checksum(payload: bytes | memoryview) -> str:
+    return blake3.blake3(payload).hexdigest()[:32]

@@ -1,0 +1,47 @@
+"""Prometheus metrics of a worker process, served on ``EPD_METRICS_PORT`` when set.
+
+Gauges are read from the live servicer at scrape time (a custom collector), so
+they can never drift from the state they describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from typing import Protocol
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+class HasLocalStats(Protocol):
+    def local_stats(self) -> dict[str, int]: ...
+
+
+_GAUGES = {
+    "reservations_active": "Decode reservations holding KV blocks",
+    "pending_chunks": "KV chunks landed but not yet inserted",
+    "free_blocks": "Free KV blocks",
+    "running_seqs": "Sequences in the running batch",
+    "queue_depth": "Requests queued at this worker",
+    "in_flight": "Requests in flight at this worker",
+}
+
+
+class _WorkerCollector:
+    def __init__(self, servicer_fn: Callable[[], "HasLocalStats"]):
+        self._servicer_fn = servicer_fn
+
+    def collect(self):
+        stats = self._servicer_fn().local_stats()
+        for name, help_ in _GAUGES.items():
+            if name in stats:
+                g = GaugeMetricFamily(f"epd:worker_{name}", help_)
+                g.add_metric([], float(stats[name]))
+                yield g
+
+
+def serve_worker_metrics(port: int | None, servicer_fn: Callable[[], "HasLocalStats"]) -> None:
+    if port is None:
+        return
+    REGISTRY.register(_WorkerCollector(servicer_fn))
+    start_http_server(port)

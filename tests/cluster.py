@@ -1,0 +1,91 @@
+"""Start real worker processes on loopback for tests: each role is ``python -m launcher.cli <role>``.
+
+Every process gets a free port, runs until ``stop()``, and is terminated with
+SIGTERM (then SIGKILL) so no test leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "models" / "demo-vlm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    role: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    workers: list[Worker] = field(default_factory=list)
+
+    def start(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Worker:
+        port = free_port()
+        log_path = self.tmp / f"{role}-{port}.log"
+        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
+               "--port", str(port), *extra]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=full_env)
+        w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
+        self.workers.append(w)
+        return w
+
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
+        end = time.monotonic() + timeout_s
+        for w in self.workers:
+            while True:
+                if w.proc.poll() is not None:
+                    raise RuntimeError(f"{w.role} exited early:\n{w.log()}")
+                if _serving(w.address):
+                    break
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{w.role} at {w.address} not healthy:\n{w.log()}")
+                time.sleep(0.2)
+
+    def by_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+
+
+def _serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
