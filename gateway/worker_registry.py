@@ -72,9 +72,6 @@ class WorkerRegistry:
         self.poll_s = poll_s
         self.on_sample = on_sample or (lambda role, s: None)
         self._task: asyncio.Task | None = None
-        for role, addresses in static.items():
-            for address in addresses:
-                self._add(role, address, static=True)
 
     def _add(self, role: str, address: str, static: bool = False) -> WorkerHandle:
         if address not in self.workers[role]:
@@ -83,6 +80,10 @@ class WorkerRegistry:
         return self.workers[role][address]
 
     async def start(self) -> None:
+        """Channels are opened here, inside the serving event loop (gRPC aio binds them to it)."""
+        for role, addresses in self._static.items():
+            for address in addresses:
+                self._add(role, address, static=True)
         await self.refresh()
         self._task = asyncio.create_task(self._loop(), name="worker-registry")
 
