@@ -41,13 +41,15 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     def key_for(self, image: Image.Image) -> str:
         return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest)
 
-    def _decode_image(self, data: bytes) -> Image.Image:
+    def _decode_image(self, data: bytes) -> tuple[Image.Image, str]:
+        """The validated RGB image and its content key (hashed as decoded, before any conversion)."""
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
         except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
             raise InvalidImage(f"not a decodable image: {exc}") from exc
-        return self.adapter.validate_image(image)
+        key = self.key_for(image)
+        return self.adapter.validate_image(image), key
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         started = time.perf_counter()
@@ -63,10 +65,9 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                     hit, ref_key = True, ref.cache_key
                 else:
                     try:
-                        image = self._decode_image(ref.data)
+                        image, key = self._decode_image(ref.data)
                     except InvalidImage as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    key = self.key_for(image)
                     if ref.cache_key and ref.cache_key != key:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
                     tensor, hit = await self.cache.get_or_compute(key, lambda image=image: self.batcher.encode(image))
