@@ -1,0 +1,94 @@
+"""`epd serve` brings up the whole stack, answers an image chat correctly, and Ctrl-C leaves nothing behind."""
+
+import base64
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from openai import OpenAI
+
+from runtime.demo_model.shapes import draw_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--port", str(port)], cwd=ROOT,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"epd serve exited:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"epd serve not healthy:\n{log.read_text()}")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    yield proc, base, children, log
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _image_url(seed: int) -> tuple[str, str]:
+    sample = draw_shape(random.Random(seed))
+    buf = io.BytesIO()
+    sample.image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), sample.answer
+
+
+def test_serve_answers_image_chat(served):
+    _, base, _, _ = served
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    for seed in (11, 12):
+        url, answer = _image_url(seed)
+        reply = client.chat.completions.create(
+            model="demo-vlm", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "What is in the image?"}]}])
+        assert reply.choices[0].message.content.strip() == answer
+        assert reply.choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while True:  # the gateway polls worker stats every 0.5 s
+        status = httpx.get(f"{base}/status").json()
+        if status["encoder"][0].get("computes", 0) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {"encoder", "prefill", "decode"} <= set(status)
+    for worker in status["decode"]:
+        assert worker["healthy"] and "address" in worker
+        assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
+    assert status["encoder"][0]["computes"] == 2  # two distinct images, each encoded once
+
+
+def test_ctrl_c_leaves_no_process(served):
+    proc, _, children, log = served
+    assert len(children) >= 4  # encoder, prefill, decode, gateway
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"left behind: {[p.pid for p in alive]}\n{log.read_text()}"
