@@ -57,9 +57,13 @@ CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_
 
 
 class TransferFailed(Exception):
-    def __init__(self, detail: str, worker_lost: str | None = None):
+    """A handoff attempt failed. ``stream`` is the attempt's decode stream, still open so the
+    reservation stays held until the gateway has decided (re-arm keeps it, release frees it)."""
+
+    def __init__(self, detail: str, worker_lost: str | None = None, stream=None):
         super().__init__(detail)
         self.worker_lost = worker_lost
+        self.stream = stream
 
 
 def _now_unix_ms(deadline_monotonic: float) -> int:
@@ -154,8 +158,11 @@ class Orchestrator:
             breakdown["encode_ms"] = 0.0
             breakdown["images_cache_hit"] = float(len(refs))
         digest = token_digest(job.token_ids, keys)
-        async for event in self._run_placement(job, shape, decision, refs, digest, breakdown):
-            yield event
+        # aclosing: when the consumer closes us (disconnect, stop string), the placement's
+        # finally (release the reservation) runs now, not whenever the generator is collected
+        async with contextlib.aclosing(self._run_placement(job, shape, decision, refs, digest, breakdown)) as events:
+            async for event in events:
+                yield event
 
     async def _image_refs(self, job: ChatJob):
         if not job.images:
@@ -233,12 +240,16 @@ class Orchestrator:
                     m.FAILURE_ACTIONS.labels(action.kind).inc()
                     log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",
                                 job.request_id, attempts, failure, action.kind, action.reason)
+                    if action.kind != "fail" and failure.worker_lost and free_prefill:
+                        prefill = min(free_prefill, key=lambda h: h.inflight + h.stats.queue_depth)
+                    if action.kind in ("fail", "other_decode"):
+                        await self._release(decode, reservation, job, f"transfer failed: {action.kind}")
+                        self._close_stream(failure.stream)
                     if action.kind == "fail":
                         if time.monotonic() >= job.ttft_deadline_s:
                             raise DeadlineExceeded(f"KV transfer failed and the deadline passed: {failure}") from None
                         raise BackendFailure(f"KV transfer failed and no recovery fits the time left: {failure}", 503) from None
                     if action.kind == "other_decode":
-                        await self._release(decode, reservation, job, "moving to another decode worker")
                         decode.inflight -= 1
                         decode = min(others, key=lambda h: h.inflight + h.stats.running_seqs)
                         decode.inflight += 1
@@ -247,7 +258,8 @@ class Orchestrator:
                     else:
                         if action.kind == "reprefill" and free_prefill:
                             prefill = min(free_prefill, key=lambda h: h.inflight + h.stats.queue_depth)
-                        reservation = await self._rearm(decode, reservation, job)
+                        reservation = await self._rearm(decode, reservation, job)  # old stream ends, blocks kept
+                        self._close_stream(failure.stream)
             first.ttft_breakdown = breakdown
             yield first
             if first.finish_reason:
@@ -261,6 +273,11 @@ class Orchestrator:
         finally:
             decode.inflight -= 1
             await self._release(decode, reservation, job, "request ended")
+
+    @staticmethod
+    def _close_stream(stream) -> None:
+        if stream is not None:
+            stream.cancel()
 
     async def _rearm(self, decode: WorkerHandle, reservation: pb.Reservation, job: ChatJob) -> pb.Reservation:
         try:
@@ -297,20 +314,22 @@ class Orchestrator:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done and prefill_task.exception() is not None:
                     exc = prefill_task.exception()
-                    stream.cancel()
                     lost = prefill.address if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE else None
                     detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                    raise TransferFailed(f"prefill: {detail}", lost)
+                    # leave the decode stream open: the reservation stays held until we decide
+                    first_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                    raise TransferFailed(f"prefill: {detail}", lost, stream)
             try:
                 ev = first_task.result()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED and not colocated:
-                    raise TransferFailed(f"decode: {exc.details()}") from None
+                    raise TransferFailed(f"decode: {exc.details()}", None, stream) from None
                 raise
             except StopAsyncIteration:
                 raise BackendFailure("decode stream ended without a token", 502) from None
-        except BaseException:
-            first_task.cancel()
+        except BaseException as exc:
+            if not isinstance(exc, TransferFailed):
+                first_task.cancel()
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             raise

@@ -1,0 +1,188 @@
+"""The gateway's HTTP app: an OpenAI-compatible chat API over a ``ChatBackend``.
+
+Routes:
+
+=============================  ==========================================================
+``POST /v1/chat/completions``  chat, streaming (SSE) or not; see ``gateway.chat_handler``
+``GET /v1/models``             the one served model
+``GET /v1/models/{model}``     it, or 404
+``GET /health``                200 when the backend is healthy, else 503
+``GET /metrics``               Prometheus text format (``gateway.metrics``)
+``GET /status``                the backend's ``status()`` as JSON
+=============================  ==========================================================
+
+Request headers: ``x-ttft-slo-ms`` and ``x-itl-slo-ms`` override the settings'
+SLOs for one request. Response headers: ``x-request-id``; for non-streaming
+chat ``x-epd-ttft-breakdown``: a JSON object of the backend's per-stage entries
+(``*_ms`` milliseconds; see the orchestrator) plus ``gateway_ms``, the time spent
+here before the backend got the request, and ``ttft_ms``, the time to first
+token. Streaming responses carry the same object as ``epd_ttft_breakdown`` in
+the chunk with ``finish_reason`` (headers are sent before the first token).
+
+``create_app`` builds everything from its arguments (no module globals): the
+processor is loaded once, here; the backend is started and closed by the
+lifespan, together with the HTTP client used for remote images.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .chat_backend import ChatBackend
+from .chat_handler import ChatHandler
+from .errors import ApiError, error_body, install_error_handlers
+from .images import ImageLimits, ImageLoader, RemoteImageFetcher
+from .metrics import GatewayMetrics
+from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
+from .prompt import PromptBuilder
+from .settings import GatewaySettings
+
+log = logging.getLogger("epd.gateway")
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, else while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            error = None
+            if not declared.strip().isdigit():
+                error = ApiError.bad_request("Content-Length header is not a number", None, "invalid_header")
+            elif int(declared) > self.max_bytes:
+                error = self._too_large()
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()  # surfaces from request.body(); the handlers answer 413
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body is larger than the limit of {self.max_bytes} bytes",
+                        "invalid_request_error", None, "request_too_large")
+
+
+def create_app(
+    settings: GatewaySettings,
+    orchestrator: ChatBackend,
+    *,
+    prompt_builder: PromptBuilder | None = None,
+    registry: CollectorRegistry | None = None,
+    http_client: httpx.AsyncClient | None = None,
+) -> FastAPI:
+    """The gateway app.
+
+    ``prompt_builder`` and ``http_client`` are for injection (tests); by default they are built from
+    ``settings`` (a given ``http_client`` is used for remote images and not closed by the app).
+    ``registry`` holds the HTTP metrics (default: a new one per app); ``/metrics`` renders it
+    followed by prometheus_client's process-wide ``REGISTRY``, where module-level metrics such as
+    the orchestrator's live.
+    """
+    prompts = prompt_builder or PromptBuilder.from_pretrained(settings.model)
+    metrics = GatewayMetrics(registry)
+    limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.max_image_side)
+    images = ImageLoader(limits, fetcher=None)
+    handler = ChatHandler(settings, orchestrator, prompts, images, metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = http_client
+        if settings.allow_remote_images and client is None:
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(settings.remote_image_timeout_s),
+                follow_redirects=True,
+                max_redirects=3,
+                limits=httpx.Limits(max_connections=32),
+            )
+        if settings.allow_remote_images:
+            images.fetcher = RemoteImageFetcher(client, settings.remote_image_timeout_s, settings.max_image_bytes)
+        await orchestrator.start()
+        log.info("gateway serving %s from %s", settings.served_model_name, settings.model)
+        try:
+            yield
+        finally:
+            images.fetcher = None
+            try:
+                await orchestrator.close()
+            finally:
+                if client is not None and client is not http_client:
+                    await client.aclose()
+
+    app = FastAPI(title="epd gateway", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.prompts = prompts
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}},
+        summary="OpenAI chat completions (stream true or false)",
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await handler.handle(request)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=settings.served_model_name, created=created)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        if model != settings.served_model_name:
+            raise ApiError(404, f"model {model!r} is not served here", "invalid_request_error", "model", "model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            ok = orchestrator.healthy()
+        except Exception:
+            log.exception("health check raised")
+            ok = False
+        if ok:
+            return JSONResponse({"status": "ok"})
+        body = error_body("no healthy worker serves every stage", "server_error", None, "unhealthy")
+        return JSONResponse({"status": "unavailable", **body}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/status")
+    async def status() -> dict:
+        return orchestrator.status()
+
+    return app

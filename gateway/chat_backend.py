@@ -1,0 +1,98 @@
+"""What the HTTP layer asks of the machinery behind it, and nothing more.
+
+The HTTP layer (``gateway.app``) turns an OpenAI request into a ``ChatJob`` —
+images decoded and checked, prompt tokenized with image placeholders expanded,
+sampling and deadlines fixed — and hands it to a ``ChatBackend``. The backend
+(``gateway.orchestrator`` in production, ``tests.inprocess_backend`` in tests)
+answers with a stream of ``TokenEvent``.
+
+Ownership and cancellation, the one rule both sides follow:
+
+* ``generate(job)`` is an async generator. It raises ``AdmissionRefused`` or
+  ``DeadlineExceeded`` *before its first event* when the request cannot be run;
+  after the first event it may still raise ``BackendFailure`` or
+  ``DeadlineExceeded``.
+* The last event carries ``finish_reason``; the generator then ends.
+* The HTTP layer closes the generator (``aclose()``) on every path — a normal
+  end, a stop string matched, the client gone, the gateway's own deadline — so
+  the backend's ``finally`` is where it releases what the request held
+  (queue slots, KV leases, encoder work) everywhere. Closing an already
+  finished generator is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from PIL import Image
+
+from runtime.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedImage:
+    data: bytes              # raw image bytes as received (cache keys hash the decoded pixels of these)
+    image: Image.Image       # decoded from ``data``, validated, not converted (mode may be RGBA, P, L, ...)
+
+
+@dataclass(slots=True)
+class ChatJob:
+    request_id: str
+    token_ids: list[int]     # prompt with image placeholders expanded
+    images: list[PreparedImage]   # empty for text-only requests: the encoder is skipped
+    max_tokens: int
+    sampling: SamplingParams
+    ttft_deadline_s: float   # absolute time.monotonic() by which the first token must arrive
+    itl_slo_ms: float
+    arrival_s: float         # time.monotonic() when the request arrived at the gateway
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_ids: list[int]                             # new tokens (usually one)
+    finish_reason: str | None = None                 # "stop" (EOS) or "length", on the last event only
+    ttft_breakdown: dict[str, float] | None = None   # on the first event: milliseconds per stage
+
+
+class ChatBackend(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
+        """An async generator (``aclose()`` is the cancel signal) of events for ``job``; see the module docstring."""
+        ...
+
+    def status(self) -> dict: ...
+
+    def healthy(self) -> bool: ...
+
+
+class AdmissionRefused(Exception):
+    """The request was refused before any work; the client may retry after ``retry_after_s``."""
+
+    def __init__(self, status: int, reason: str, retry_after_s: float):
+        if status not in (429, 503):
+            raise ValueError(f"AdmissionRefused status must be 429 or 503, got {status}")
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(Exception):
+    """The request's TTFT deadline passed (or would pass) before its first token: HTTP 504."""
+
+
+class BackendFailure(Exception):
+    """A server-side fault behind the gateway (worker lost, transfer failed): HTTP 502 or 503."""
+
+    def __init__(self, message: str, status: int = 502):
+        if status not in (502, 503):
+            raise ValueError(f"BackendFailure status must be 502 or 503, got {status}")
+        super().__init__(message)
+        self.status = status

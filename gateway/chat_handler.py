@@ -1,0 +1,328 @@
+"""One ``POST /v1/chat/completions`` request, from bytes to response.
+
+Lifecycle (every refusal before step 6 costs no model work):
+
+1. headers: ``x-ttft-slo-ms`` / ``x-itl-slo-ms`` parsed (400 when malformed);
+2. body: JSON (size already bounded by ``BodyLimitMiddleware``, nesting by the
+   parser), then ``ChatCompletionRequest`` (strict types, unknown fields ignored);
+3. request checks: model name, unsupported parameters, ``max_tokens`` limit,
+   image count;
+4. images: fetched / decoded / checked (``gateway.images``);
+5. prompt: chat template + processor -> token ids; context length check;
+6. ``backend.generate(job)``; the first event is awaited *before* any response
+   is sent, so admission refusals and deadline misses get their real status
+   (429/503/504) even for ``stream: true``. The gateway's own guard fires
+   ``deadline_grace_ms`` after the TTFT deadline should the backend not;
+7. tokens -> text (``IncrementalDetokenizer``) -> one JSON response or SSE chunks.
+
+Ownership: from ``generate()`` on, the request's ``Generation`` holds the
+backend's event generator and this module closes it (``aclose``) on every
+path — finished, stop string, length, client gone (a disconnect watcher until
+the response starts, then Starlette's), deadline, error. Closing is the
+backend's cancel signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import pydantic_core
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from runtime.sampling import SamplingParams
+
+from .chat_backend import ChatBackend, ChatJob, PreparedImage, TokenEvent
+from .detokenize import IncrementalDetokenizer
+from .errors import ApiError, from_exception, from_validation_error, internal_error_body
+from .generation import Generation
+from .images import ImageLoader
+from .metrics import GatewayMetrics
+from .openai_schema import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ImagePart,
+    Usage,
+)
+from .prompt import PromptBuilder
+from .settings import GatewaySettings
+
+log = logging.getLogger("epd.gateway")
+
+TTFT_HEADER = "x-ttft-slo-ms"
+ITL_HEADER = "x-itl-slo-ms"
+BREAKDOWN_HEADER = "x-epd-ttft-breakdown"
+MAX_SLO_MS = 3_600_000.0
+
+T = TypeVar("T")
+
+
+def parse_slo_header(value: str | None, default_ms: float, name: str) -> float:
+    if value is None:
+        return default_ms
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (0 < ms <= MAX_SLO_MS):
+        raise ApiError.bad_request(f"header {name} must be a number of milliseconds in (0, {MAX_SLO_MS:g}]", name, "invalid_header")
+    return ms
+
+
+def failure_reason(error: ApiError) -> str:
+    if error.status == 504:
+        return "deadline"
+    if error.status in (429, 503) and error.code == "admission_refused":
+        return "refused"
+    if error.status >= 500:
+        return "backend"
+    return "client_error"
+
+
+class ChatHandler:
+    def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
+                 images: ImageLoader, metrics: GatewayMetrics):
+        self.settings = settings
+        self.backend = backend
+        self.prompts = prompts
+        self.images = images
+        self.metrics = metrics
+
+    # -- steps 1-5: from request to job -------------------------------------------
+    async def parse(self, request: Request) -> ChatCompletionRequest:
+        body = await request.body()
+        try:
+            document = pydantic_core.from_json(body)
+        except ValueError as exc:
+            raise ApiError.bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        if not isinstance(document, dict):
+            raise ApiError.bad_request("request body must be a JSON object", None, "invalid_json")
+        try:
+            chat = ChatCompletionRequest.model_validate(document)
+        except ValidationError as exc:
+            raise from_validation_error(exc, document) from None
+        if chat.model != self.settings.served_model_name:
+            raise ApiError.bad_request(
+                f"model {chat.model!r} is not served here; this server serves {self.settings.served_model_name!r}",
+                "model", "model_not_found",
+            )
+        unsupported = chat.unsupported()
+        if unsupported is not None:
+            raise ApiError.bad_request(unsupported[1], unsupported[0], "unsupported_parameter")
+        requested = chat.requested_max_tokens
+        if requested is not None and requested > self.settings.max_tokens_limit:
+            param = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
+            raise ApiError.bad_request(f"{param} must be at most {self.settings.max_tokens_limit}", param, "invalid_value")
+        n_images = sum(len(m.image_parts()) for m in chat.messages)
+        if n_images > self.settings.max_images_per_request:
+            raise ApiError.bad_request(
+                f"{n_images} images; this server accepts at most {self.settings.max_images_per_request} per request",
+                "messages", "too_many_images",
+            )
+        return chat
+
+    async def load_images(self, chat: ChatCompletionRequest) -> list[PreparedImage]:
+        parts = [
+            (part.image_url.url, f"messages.{i}.content.{j}.image_url.url")
+            for i, message in enumerate(chat.messages)
+            if isinstance(message.content, list)
+            for j, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+        if len(parts) <= 1:
+            return [await self.images.load(url, param) for url, param in parts]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.images.load(url, param)) for url, param in parts]
+        except ExceptionGroup as group:  # report the first client mistake, the other loads were cancelled
+            mistakes = group.subgroup(ApiError)
+            if mistakes is None:
+                raise
+            raise mistakes.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float) -> ChatJob:
+        ttft_slo_ms = parse_slo_header(request.headers.get(TTFT_HEADER), self.settings.ttft_slo_ms, TTFT_HEADER)
+        itl_slo_ms = parse_slo_header(request.headers.get(ITL_HEADER), self.settings.itl_slo_ms, ITL_HEADER)
+        images = await self.load_images(chat)
+        token_ids = await asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images])
+        max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
+        sampling = SamplingParams(
+            temperature=1.0 if chat.temperature is None else chat.temperature,
+            top_p=1.0 if chat.top_p is None else chat.top_p,
+            seed=chat.seed,
+        )
+        return ChatJob(
+            request_id=request_id,
+            token_ids=token_ids,
+            images=images,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            ttft_deadline_s=arrival_s + ttft_slo_ms / 1e3,
+            itl_slo_ms=itl_slo_ms,
+            arrival_s=arrival_s,
+        )
+
+    # -- steps 6-7 ----------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        arrival_s = time.monotonic()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        try:
+            chat = await self.parse(request)
+            job = await self.build_job(request, chat, request_id, arrival_s)
+            self.metrics.prompt_tokens.inc(len(job.token_ids))
+            detok = IncrementalDetokenizer(self.prompts.decode_tokenizer, chat.stop_sequences)
+            generation = Generation(job, self.backend.generate(job), detok, self.metrics, time.monotonic())
+            try:
+                first = await _unless_disconnected(request, generation.first_event(self.settings.deadline_grace_ms / 1e3))
+            except BaseException:
+                await generation.close()
+                raise
+            log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
+                      request_id, len(job.token_ids), len(job.images), job.max_tokens)
+            if chat.stream:
+                return SSEResponse(self._sse(chat, generation, first), media_type="text/event-stream", headers={
+                    "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._complete(request, chat, generation, first)
+        except ClientDisconnected:
+            self.metrics.failure.labels(reason="cancelled").inc()
+            log.info("request %s: client disconnected, cancelled", request_id)
+            return Response(status_code=499)  # nobody is listening; for the access log
+        except Exception as exc:
+            error = self._count_failure(exc)
+            if error is None:
+                raise
+            error.headers.setdefault("x-request-id", request_id)
+            raise error from None
+
+    def _count_failure(self, exc: BaseException) -> ApiError | None:
+        """Count a failed request by reason; return its ``ApiError``, or ``None`` for a bug (500)."""
+        error = from_exception(exc)
+        self.metrics.failure.labels(reason="internal" if error is None else failure_reason(error)).inc()
+        return error
+
+    async def _complete(self, request: Request, chat: ChatCompletionRequest, generation: Generation,
+                        first: TokenEvent) -> JSONResponse:
+        async def collect() -> str:
+            return "".join([text async for text in generation.texts(first)])
+
+        try:
+            content = await _unless_disconnected(request, collect())
+        finally:
+            await generation.close()
+        body = ChatCompletion(
+            id=generation.job.request_id,
+            created=int(time.time()),
+            model=chat.model,
+            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason)],
+            usage=self._usage(generation),
+        )
+        headers = {
+            "x-request-id": generation.job.request_id,
+            BREAKDOWN_HEADER: json.dumps(generation.ttft_breakdown, separators=(",", ":")),
+        }
+        return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+    @staticmethod
+    def _usage(generation: Generation) -> Usage:
+        prompt = len(generation.job.token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
+                     total_tokens=prompt + generation.completion_tokens)
+
+    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def chunk(delta: Delta, finish: str | None = None, **extra: Any) -> bytes:
+            body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
+                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+            return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+        outcome: str | None = None   # "finished" or "failed"; None at the end means cancelled
+        try:
+            yield chunk(Delta(role="assistant", content=""))
+            async for text in generation.texts(first):
+                if text:
+                    yield chunk(Delta(content=text))
+            outcome = "finished"
+            await generation.close()  # release the backend's hold now, not after the last bytes are sent
+            yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)
+            if chat.include_usage:
+                body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
+                                           choices=[], usage=self._usage(generation))
+                yield b"data: " + body.model_dump_json().encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # after the headers: the error goes into the stream
+            outcome = "failed"
+            error = self._count_failure(exc)
+            if error is None:
+                log.exception("request %s failed mid-stream", generation.job.request_id)
+            body = error.body() if error is not None else internal_error_body(generation.job.request_id)
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if outcome is None:
+                self.metrics.failure.labels(reason="cancelled").inc()
+                log.info("request %s: stream closed early (client gone), cancelled", generation.job.request_id)
+            await generation.close()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response; the work for it has been cancelled."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; should the client disconnect first, cancel it and raise ``ClientDisconnected``.
+
+    Used while nothing has been sent yet (waiting for the first token, collecting a
+    non-streaming answer); once a stream has started, Starlette watches the connection.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        pending = [t for t in (task, watcher) if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        return task.result()  # the work's result or its exception, even when the client left meanwhile
+    raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always closes its iterator, whatever ended the stream.
+
+    Starlette cancels the sending task when the client disconnects; an async
+    generator parked at a ``yield`` would then only be closed by the garbage
+    collector. Closing it here runs its ``finally`` (which closes the backend
+    generator) deterministically.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]  # always an async generator here

@@ -1,0 +1,219 @@
+"""Pydantic models of the OpenAI chat API subset the gateway serves.
+
+Requests are validated strictly (``"max_tokens": "10"`` is a 400, not 10) but
+unknown top-level fields are accepted and ignored, as OpenAI does. OpenAI
+fields the gateway cannot honour (``n > 1``, ``logprobs``, penalties, tools)
+are refused with a 400 rather than silently ignored, except at their no-op
+values (``n: 1``, ``presence_penalty: 0`` ...), which many clients always send.
+
+epd extension: the final ``chat.completion.chunk`` of a stream (the one with
+``finish_reason``) carries ``epd_ttft_breakdown`` — the same per-stage
+milliseconds that a non-streaming response returns in the
+``x-epd-ttft-breakdown`` header. Clients ignore unknown fields; with the
+``openai`` package read it as ``chunk.model_extra["epd_ttft_breakdown"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+# -- request ----------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None   # accepted, has no effect
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+def _content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<string>"
+    if isinstance(value, list):
+        return "<parts>"
+    if value is None:
+        return "<null>"
+    return None
+
+
+MessageContent = Annotated[
+    Union[Annotated[str, Tag("<string>")], Annotated[list[ContentPart], Tag("<parts>")], Annotated[None, Tag("<null>")]],
+    Discriminator(
+        _content_kind,
+        custom_error_type="invalid_content",
+        custom_error_message="content must be a string or a list of content parts",
+    ),
+]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: MessageContent = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_fits_role(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role} message")
+        if self.role != "user" and isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            raise ValueError(f"image_url parts are only allowed in user messages, not {self.role}")
+        return self
+
+    def image_parts(self) -> list[ImagePart]:
+        if isinstance(self.content, list):
+            return [p for p in self.content if isinstance(p, ImagePart)]
+        return []
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields accepted only at their no-op values
+    n: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
+        return value
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(param, message)`` for the first parameter the gateway cannot honour, else ``None``."""
+        checks = [
+            ("n", self.n not in (None, 1), "only n=1 is supported"),
+            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported"),
+            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
+            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
+            ("tools", bool(self.tools), "tools are not supported"),
+            ("stream_options", self.stream_options is not None and not self.stream,
+             "stream_options is only allowed when stream is true"),
+        ]
+        return next(((param, message) for param, bad, message in checks if bad), None)
+
+    # -- resolved values ------------------------------------------------------------
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens`` when both are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# -- responses --------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = Field(default=None, exclude_if=lambda v: v is None)   # the last chunk's delta is {}
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
+    system_fingerprint: str | None = None
+    epd_ttft_breakdown: dict[str, float] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "epd"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,137 @@
+"""Validated chat messages -> prompt token ids, with the model's own processor.
+
+    messages --(chat template)--> prompt text --(processor + images)--> token ids
+
+Image parts become ``{"type": "image"}`` for the template, so it emits one
+image placeholder per image; the processor then expands each placeholder to
+the number of feature tokens the encoder will produce (which may depend on the
+image's size), so ``len(token_ids)`` is the true prompt length.
+
+Only the processor (tokenizer + image processor) and the config are loaded;
+the gateway never loads model weights.
+
+Threads: a fast (Rust) tokenizer raises "Already borrowed" when one thread
+reconfigures it while another encodes or decodes (huggingface/tokenizers#537).
+So ``build`` — called from worker threads — is serialized by a lock, and
+streaming detokenization on the event loop uses its own copy,
+``decode_tokenizer``, which no other thread touches.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from PIL import Image
+from transformers import AutoConfig, AutoProcessor
+
+from .errors import ApiError
+from .openai_schema import ChatMessage, ImagePart, TextPart
+
+# OpenAI's "developer" role is the system prompt of newer models; templates know "system".
+_TEMPLATE_ROLE = {"developer": "system"}
+
+
+class PromptBuilder:
+    def __init__(self, processor: Any, context_length: int):
+        if context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {context_length}")
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.decode_tokenizer = copy.deepcopy(self.tokenizer)   # event-loop thread only
+        self.context_length = context_length
+        self._lock = threading.Lock()
+        # the placeholder string the template emits per image; user text may not contain it
+        self.image_token: str | None = getattr(processor, "image_token", None)
+        self.accepts_images = getattr(processor, "image_processor", None) is not None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "PromptBuilder":
+        processor = AutoProcessor.from_pretrained(path)
+        text_config = AutoConfig.from_pretrained(path).get_text_config()
+        return cls(processor, int(text_config.max_position_embeddings))
+
+    # -- messages -> text -----------------------------------------------------------
+    def template_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+        """OpenAI messages in transformers' chat-template format."""
+        out: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
+            role = _TEMPLATE_ROLE.get(message.role, message.role)
+            content = message.content
+            if content is None:
+                out.append({"role": role, "content": ""})
+            elif isinstance(content, str):
+                self._check_text(content, f"messages.{i}.content")
+                out.append({"role": role, "content": content})
+            else:
+                parts: list[dict[str, Any]] = []
+                for j, part in enumerate(content):
+                    if isinstance(part, TextPart):
+                        self._check_text(part.text, f"messages.{i}.content.{j}.text")
+                        parts.append({"type": "text", "text": part.text})
+                    elif isinstance(part, ImagePart):
+                        parts.append({"type": "image"})
+                out.append({"role": role, "content": parts})
+        return out
+
+    def _check_text(self, text: str, param: str) -> None:
+        if self.image_token and self.image_token in text:
+            raise ApiError.bad_request(
+                f"text must not contain the image placeholder {self.image_token!r}; send images as image_url parts",
+                param,
+                "invalid_value",
+            )
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        try:
+            return self.processor.apply_chat_template(
+                self.template_messages(messages), add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
+            raise ApiError.bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
+
+    # -- text + images -> token ids ---------------------------------------------------
+    def tokenize(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
+        if images and not self.accepts_images:
+            raise ApiError.bad_request("this model does not accept images", "messages", "images_not_supported")
+        kwargs: dict[str, Any] = {"text": prompt, "add_special_tokens": False}
+        if images:
+            kwargs["images"] = list(images)
+        try:
+            encoded = self.processor(**kwargs)
+        except ValueError as exc:  # the processor's own consistency checks on client content
+            raise ApiError.bad_request(f"the prompt could not be processed: {exc}", "messages") from None
+        ids = encoded["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    def build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image]) -> list[int]:
+        """Token ids for ``messages``; CPU-bound, call it off the event loop (one call at a time inside)."""
+        with self._lock:
+            return self.tokenize(self.render(messages), images)
+
+    # -- length -----------------------------------------------------------------------
+    def resolve_max_tokens(self, prompt_tokens: int, requested: int | None, default: int) -> int:
+        """The request's max new tokens; 400 when the prompt plus it does not fit the context."""
+        room = self.context_length - prompt_tokens
+        if requested is None:
+            if room < 1:
+                raise ApiError.bad_request(
+                    f"prompt of {prompt_tokens} tokens leaves no room in the model's context of {self.context_length}",
+                    "messages",
+                    "context_length_exceeded",
+                )
+            return min(default, room)
+        if requested > room:
+            raise ApiError.bad_request(
+                f"prompt of {prompt_tokens} tokens plus max_tokens {requested} exceeds the model's context of "
+                f"{self.context_length} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested

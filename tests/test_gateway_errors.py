@@ -1,0 +1,303 @@
+"""Every client mistake gets its 4xx and an OpenAI error object before any model work; never a 500."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import zlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from inprocess_backend import InProcessBackend, data_url, demo_model_path, image_bytes, image_message, load_adapter, shape
+from PIL import Image
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.prompt import PromptBuilder
+from gateway.settings import GatewaySettings
+
+MODEL = "demo-vlm"
+URL_PARAM = "messages.0.content.0.image_url.url"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_adapter()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptBuilder:
+    return PromptBuilder.from_pretrained(demo_model_path()[0])
+
+
+@pytest.fixture
+def backend(model) -> InProcessBackend:
+    return InProcessBackend(model[0])
+
+
+def make_app(backend, prompts, **overrides):
+    return create_app(GatewaySettings(model=str(demo_model_path()[0]), **overrides), backend, prompt_builder=prompts)
+
+
+async def open_client(app, raise_app_exceptions: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            yield client
+
+
+@pytest.fixture
+async def client(backend, prompts) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in open_client(make_app(backend, prompts)):
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# -- images crafted to be bad -----------------------------------------------------------------
+def png_claiming(width: int, height: int) -> bytes:
+    """A 1x1 PNG whose header claims ``width`` x ``height`` (CRC fixed): a decompression bomb's header."""
+    data = bytearray(image_bytes(Image.new("RGB", (1, 1), (255, 0, 0))))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def noise_png(size: int) -> bytes:
+    return image_bytes(Image.frombytes("RGB", (size, size), random.Random(size).randbytes(size * size * 3)))
+
+
+def mode_png(mode: str) -> bytes:
+    return image_bytes(Image.new(mode, (8, 8)))
+
+
+def with_image(url: str) -> dict:
+    return {"model": MODEL, "messages": image_message(url)}
+
+
+def text_request(**params) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], **params}
+
+
+def nested(depth: int) -> object:
+    value: object = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+GOOD_PNG = data_url(image_bytes(shape(1).image))
+
+# (id, request body (dict, or bytes as sent), expected status, expected code, expected param)
+CASES = [
+    ("not-json", b"{'model': ", 400, "invalid_json", None),
+    ("json-array", b"[1, 2]", 400, "invalid_json", None),
+    ("deep-nesting-unknown-field", json.dumps(text_request()).encode()[:-1] + b', "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     400, "invalid_json", None),
+    ("deep-nesting-content", {"model": MODEL, "messages": [{"role": "user", "content": nested(50)}]}, 400, "invalid_value",
+     "messages.0.content.0"),
+    ("missing-model", {"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_value", "model"),
+    ("unknown-model", text_request(model="gpt-4o"), 400, "model_not_found", "model"),
+    ("no-messages", {"model": MODEL, "messages": []}, 400, "invalid_value", "messages"),
+    ("bad-role", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_value", "messages.0.role"),
+    ("tool-role", {"model": MODEL, "messages": [{"role": "tool", "content": "hi"}]}, 400, "invalid_value", "messages.0.role"),
+    ("content-number", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "invalid_value", "messages.0.content"),
+    ("user-without-content", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "invalid_value", "messages.0"),
+    ("unknown-part", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+     "invalid_value", "messages.0.content.0"),
+    ("text-part-without-text", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "invalid_value", "messages.0.content.0.text"),
+    ("image-in-assistant", {"model": MODEL, "messages": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": GOOD_PNG}}]}]}, 400, "invalid_value", "messages.0"),
+    ("placeholder-in-text", {"model": MODEL, "messages": [{"role": "user", "content": "look <image> here"}]}, 400,
+     "invalid_value", "messages.0.content"),
+    ("temperature-string", text_request(temperature="hot"), 400, "invalid_value", "temperature"),
+    ("temperature-high", text_request(temperature=2.5), 400, "invalid_value", "temperature"),
+    ("temperature-nan", b'{"model": "demo-vlm", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "invalid_value", "temperature"),
+    ("top-p-zero", text_request(top_p=0), 400, "invalid_value", "top_p"),
+    ("max-tokens-string", text_request(max_tokens="10"), 400, "invalid_value", "max_tokens"),
+    ("max-tokens-zero", text_request(max_tokens=0), 400, "invalid_value", "max_tokens"),
+    ("max-tokens-huge", text_request(max_tokens=10**12), 400, "invalid_value", "max_tokens"),
+    ("max-completion-tokens-huge", text_request(max_completion_tokens=5000), 400, "invalid_value", "max_completion_tokens"),
+    ("prompt-plus-max-tokens-over-context", text_request(max_tokens=4095), 400, "context_length_exceeded", "max_tokens"),
+    ("seed-float", text_request(seed=1.5), 400, "invalid_value", "seed"),
+    ("stream-string", text_request(stream="yes"), 400, "invalid_value", "stream"),
+    ("stop-number", text_request(stop=3), 400, "invalid_value", "stop"),
+    ("too-many-stops", text_request(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value", "stop"),
+    ("n-2", text_request(n=2), 400, "unsupported_parameter", "n"),
+    ("logprobs", text_request(logprobs=True), 400, "unsupported_parameter", "logprobs"),
+    ("tools", text_request(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter", "tools"),
+    ("stream-options-without-stream", text_request(stream_options={"include_usage": True}), 400, "unsupported_parameter",
+     "stream_options"),
+    # images
+    ("malformed-base64", with_image("data:image/png;base64,iVBOR!!!not-base64"), 400, "invalid_base64", URL_PARAM),
+    ("not-base64-data-url", with_image("data:image/png,rawbytes"), 400, "invalid_data_url", URL_PARAM),
+    ("not-an-image-media-type", with_image("data:text/plain;base64,aGVsbG8="), 400, "invalid_image_format", URL_PARAM),
+    ("bytes-not-an-image", with_image(data_url(b"hello, I am not a picture")), 400, "invalid_image", URL_PARAM),
+    ("gif-not-allowed", with_image(data_url(image_bytes(shape(1).image, "GIF"), "image/gif")), 400, "invalid_image_format",
+     URL_PARAM),
+    ("decompression-bomb", with_image(data_url(png_claiming(100_000, 100_000))), 400, "image_too_large", URL_PARAM),
+    ("over-pixel-limit", with_image(data_url(png_claiming(5000, 5000))), 400, "image_too_large", URL_PARAM),
+    ("absurd-dimensions", with_image(data_url(png_claiming(20_000, 1))), 400, "image_too_large", URL_PARAM),
+    ("truncated-png", with_image(data_url(noise_png(64)[:6000])), 400, "invalid_image", URL_PARAM),
+    ("unsupported-mode", with_image(data_url(mode_png("I;16"))), 400, "invalid_image", URL_PARAM),
+    ("ftp-url", with_image("ftp://example.com/x.png"), 400, "invalid_image_url", URL_PARAM),
+    ("too-many-images", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}] * 5}]}, 400, "too_many_images", "messages"),
+]
+
+
+@pytest.mark.parametrize("body, status, code, param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+async def test_bad_request_is_refused_before_model_work(client, backend, body, status, code, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = await client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    error = assert_error(r, status, code, param)
+    assert error["type"] == "invalid_request_error"
+    assert backend.jobs == []
+    assert len(error["message"]) < 500  # no echo of the offending value
+
+
+async def test_error_messages_do_not_echo_image_data(client):
+    junk = "A" * 100_000 + "!"
+    r = await client.post("/v1/chat/completions", json=with_image(f"data:image/png;base64,{junk}"))
+    assert "AAAAAAAAAA" not in assert_error(r, 400)["message"]
+
+
+async def test_image_over_byte_limit(backend, prompts):
+    async for client in open_client(make_app(backend, prompts, max_image_bytes=2000)):
+        r = await client.post("/v1/chat/completions", json=with_image(data_url(noise_png(64))))
+        assert_error(r, 400, "image_too_large", URL_PARAM)
+    assert backend.jobs == []
+
+
+async def test_fewer_images_allowed_by_setting(backend, prompts):
+    async for client in open_client(make_app(backend, prompts, max_images_per_request=0)):
+        r = await client.post("/v1/chat/completions", json=with_image(GOOD_PNG))
+        assert_error(r, 400, "too_many_images")
+
+
+async def test_oversized_body_is_413_with_or_without_content_length(backend, prompts):
+    async for client in open_client(make_app(backend, prompts, max_body_bytes=4096)):
+        big = json.dumps(text_request(padding="x" * 10_000)).encode()
+        assert_error(await client.post("/v1/chat/completions", content=big), 413, "request_too_large")
+
+        async def chunked():  # no Content-Length: counted while reading
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        assert_error(await client.post("/v1/chat/completions", content=chunked()), 413, "request_too_large")
+        small = await client.post("/v1/chat/completions", json=text_request(max_tokens=1))
+        assert small.status_code == 200
+
+
+@pytest.mark.parametrize("header, value", [("x-ttft-slo-ms", "soon"), ("x-ttft-slo-ms", "-5"), ("x-itl-slo-ms", "nan"),
+                                           ("x-itl-slo-ms", "inf")])
+async def test_bad_slo_headers(client, backend, header, value):
+    r = await client.post("/v1/chat/completions", json=text_request(), headers={header: value})
+    assert_error(r, 400, "invalid_header", header)
+    assert backend.jobs == []
+
+
+async def test_unknown_top_level_fields_are_ignored(client):
+    body = text_request(max_tokens=2, metadata={"deep": [1, {"x": None}]}, service_tier="auto", n=1,
+                        presence_penalty=0, frequency_penalty=0.0, logprobs=False, user="u1")
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    parts = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}],
+             "max_tokens": 2}
+    assert (await client.post("/v1/chat/completions", json=parts)).status_code == 200
+
+
+async def test_fastapi_validation_errors_become_400(backend, prompts):
+    app = make_app(backend, prompts)
+
+    @app.get("/typed")
+    async def typed(count: int) -> dict:
+        return {"count": count}
+
+    async for client in open_client(app):
+        assert_error(await client.get("/typed", params={"count": "many"}), 400, "invalid_value", "count")
+        assert_error(await client.get("/typed"), 400, "invalid_value", "count")
+
+
+async def test_server_faults_are_500_without_internals(backend, prompts):
+    app = make_app(backend, prompts)
+
+    @app.get("/broken")
+    async def broken() -> dict:
+        raise RuntimeError("secret database password")
+
+    async def generate(job):
+        raise RuntimeError("secret internal state")
+        yield  # pragma: no cover
+
+    backend.generate = generate
+    async for client in open_client(app, raise_app_exceptions=False):
+        for r in (await client.get("/broken"), await client.post("/v1/chat/completions", json=text_request())):
+            error = assert_error(r, 500, "internal_error")
+            assert error["type"] == "server_error" and "secret" not in r.text
+
+
+# -- property: no client mistake is a 500 --------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20) | JSON}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
+        {"url": st.sampled_from([GOOD_PNG, "data:image/png;base64,AAAA", "data:,", "x", ""]) | JSON})}),
+    JSON,
+)
+MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | JSON,
+    "content": st.text(max_size=20) | st.lists(PART, max_size=3) | JSON,
+})
+VALID_MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "user", "assistant"]),
+    "content": st.sampled_from(["hello", "what is in the image ?", ""]),
+})
+FIELDS = st.sampled_from(["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+                          "stream", "stream_options", "n", "logprobs", "presence_penalty", "tools", "anything"])
+
+
+PLAUSIBLE = st.integers(0, 8) | st.floats(0, 2) | st.booleans() | st.none() | st.sampled_from(
+    [MODEL, "stop", ["a", "b"], {"include_usage": True}, {"include_usage": "yes"}])
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(model, prompts):
+    backend = InProcessBackend(model[0])
+    with TestClient(make_app(backend, prompts, max_tokens_limit=8, default_max_tokens=4)) as client:
+        yield client, backend
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(VALID_MESSAGE, min_size=1, max_size=2) | st.lists(MESSAGE, max_size=3) | JSON,
+       overrides=st.dictionaries(FIELDS.filter(lambda f: f != "model"), PLAUSIBLE, max_size=2)
+       | st.dictionaries(FIELDS, JSON, max_size=3))
+def test_fuzzed_requests_never_give_a_500(fuzz_client, messages, overrides):
+    client, backend = fuzz_client
+    jobs_before = len(backend.jobs)
+    body = json.dumps({"model": MODEL, "messages": messages, **overrides})  # NaN/Infinity allowed, as some clients send
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert len(backend.jobs) == jobs_before
