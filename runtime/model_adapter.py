@@ -24,7 +24,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from . import paged_attention
-from .errors import ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
+from .errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from .kv_pool import KVBlockPool, KVLayout
 from .paged_attention import PagedBatch, SequenceSpan
 from .sampling import SamplingParams, sample_token
@@ -146,7 +146,7 @@ class VLMAdapter:
                 f"prompt has {placeholders} image placeholder tokens but {len(image_embeddings)} images give {features}"
             )
         if not token_ids:
-            raise PromptTooLong("empty prompt")
+            raise AdapterInputError("empty prompt")
         if len(token_ids) + max(max_new_tokens, 1) > self.context_length:
             raise PromptTooLong(
                 f"prompt of {len(token_ids)} tokens plus {max_new_tokens} new tokens exceeds the context of {self.context_length}"
@@ -213,8 +213,8 @@ class VLMAdapter:
         n = len(token_ids)
         pool = pool or KVBlockPool(self.kv_layout, num_blocks=-(-n // 16), block_size=16, device=self.device)
         blocks = pool.allocate(n)
-        if blocks is None:
-            raise PromptTooLong(f"prompt of {n} tokens does not fit the prefill KV pool")
+        if blocks is None:  # a capacity problem of this worker, not the client's mistake
+            raise MemoryError(f"prompt of {n} tokens does not fit the free KV blocks ({pool.free_blocks} free)")
         try:
             for index, start in enumerate(range(0, n, chunk_size)):
                 end = min(n, start + chunk_size)
