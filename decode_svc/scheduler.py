@@ -42,7 +42,7 @@ class StepEvent:
     detail: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
 class Sequence:
     request_id: str
     reservation_id: str
@@ -110,6 +110,7 @@ class DecodeScheduler:
     # -- the loop ---------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-scheduler")
+        self._task.add_done_callback(_log_if_crashed)
 
     async def stop(self) -> None:
         if self._task:
@@ -213,3 +214,9 @@ class DecodeScheduler:
         seq.prompt_embeds = None
         seq.events.put_nowait(StepEvent([], reason, detail))
         self.on_retire(seq, reason)
+
+
+def _log_if_crashed(task: asyncio.Task) -> None:
+    """The loop only ends by cancellation; anything else is a bug that must be visible."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("scheduler loop crashed", exc_info=task.exception())

@@ -173,7 +173,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if request.colocated:
                 await self._start_colocated(request, res, seq, deadline, context)
             else:
-                keep_reservation = await self._await_transfer(res, deadline, context)
+                failure = await self._await_transfer(res, deadline)
+                if failure is not None:
+                    code, detail, keep_reservation = failure
+                    if keep_reservation:
+                        context.set_trailing_metadata((("epd-reservation-kept", "1"),))
+                    await context.abort(code, detail)
                 res.inserted = True
                 self.scheduler.insert(seq, res.attempt.first_token)
             first = True
@@ -199,22 +204,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             elif not seq.finished and not keep_reservation:
                 self.table.release(res.reservation_id, "generate ended before insertion")
 
-    async def _await_transfer(self, res: Reservation, deadline: float, context) -> bool:
+    async def _await_transfer(self, res: Reservation, deadline: float) -> tuple[grpc.StatusCode, str, bool] | None:
+        """Wait for the transfer's verdict: ``None`` when verified, else (status, detail, keep the reservation).
+
+        The caller aborts with the status; it must know whether to keep the
+        reservation *before* aborting, since the abort unwinds into its ``finally``.
+        """
         attempt = res.attempt
         try:
             await asyncio.wait_for(attempt.done.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"KV transfer not complete before the deadline (state {attempt.state.name})")
+            return (grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"KV transfer not complete before the deadline (state {attempt.state.name})", False)
         if res.released:
-            await context.abort(grpc.StatusCode.ABORTED, f"reservation released: {attempt.detail}")
+            return grpc.StatusCode.ABORTED, f"reservation released: {attempt.detail}", False
         if attempt is not res.attempt:
-            await context.abort(grpc.StatusCode.ABORTED, "reservation re-armed for a new transfer")
+            # the blocks now belong to the new attempt: not ours to release
+            return grpc.StatusCode.ABORTED, "reservation re-armed for a new transfer", True
         if attempt.state != TransferState.SUCCESS:
             # keep the blocks: the gateway may retry into them (Rearm) while the lease lasts
-            context.set_trailing_metadata((("epd-reservation-kept", "1"),))
-            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {attempt.detail}")
-        return False
+            return grpc.StatusCode.ABORTED, f"KV transfer failed: {attempt.detail}", True
+        return None
 
     async def _start_colocated(self, request: pb.GenerateRequest, res: Reservation, seq: Sequence, deadline: float, context) -> None:
         token_ids = list(request.token_ids)

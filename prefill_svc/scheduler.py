@@ -34,7 +34,7 @@ from .kv_sender import KVSender
 log = logging.getLogger("epd.prefill")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
 class PrefillJob:
     request_id: str
     embeds: torch.Tensor             # [T, hidden]
@@ -94,6 +94,7 @@ class PrefillScheduler:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-scheduler")
+        self._task.add_done_callback(_log_if_crashed)
 
     async def stop(self) -> None:
         if self._task:
@@ -185,3 +186,9 @@ class PrefillScheduler:
                 job.done.set_result(job.first_token)
             else:
                 job.done.set_exception(error)
+
+
+def _log_if_crashed(task: asyncio.Task) -> None:
+    """The loop only ends by cancellation; anything else is a bug that must be visible."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("scheduler loop crashed", exc_info=task.exception())
