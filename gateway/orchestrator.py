@@ -128,8 +128,9 @@ class Orchestrator:
     # -- the request ---------------------------------------------------------------
     async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000
-        if remaining_ms <= 0:
-            raise DeadlineExceeded("the TTFT deadline passed before admission")
+        if remaining_ms <= 0:  # infeasible from the start: refuse now rather than start and time out
+            m.ADMISSION_REJECTED.labels("ttft_deadline").inc()
+            raise AdmissionRefused(429, "request refused at admission: the TTFT deadline is already past", 1.0)
         breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
         refs, keys, n_cached, encoder = await self._image_refs(job)
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,

@@ -1,0 +1,108 @@
+"""The real stack over HTTP: gateway process -> encoder, prefill, decode processes.
+
+The official openai client streams an image question through disaggregated
+placement; an infeasible deadline is refused at once with 429 + Retry-After and
+no work done; text-only requests never touch the encoder; nothing stays held.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster import DEMO_MODEL, ROOT, Cluster, free_port
+from runtime.demo_model.shapes import draw_shape
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stack")
+    c = Cluster(tmp)
+    e, p, d = c.start("encoder"), c.start("prefill"), c.start("decode")
+    gateway = None
+    try:
+        c.wait_healthy()
+        port = free_port()
+        log = tmp / "gateway.log"
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(DEMO_MODEL), "--port", str(port),
+             "--encoder-addrs", e.address, "--prefill-addrs", p.address, "--decode-addrs", d.address,
+             "--placement", "disaggregated", "--prefill-chunk-tokens", "8"],
+            cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gateway.poll() is None and time.monotonic() < end, log.read_text()
+            time.sleep(0.3)
+        yield base
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(timeout=20)
+        c.stop()
+
+
+def image_part(seed: int) -> tuple[dict, str]:
+    sample = draw_shape(random.Random(seed))
+    buf = io.BytesIO()
+    sample.image.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}, sample.answer
+
+
+def status(base: str) -> dict:
+    time.sleep(0.6)  # the gateway polls worker stats every 0.5 s
+    return httpx.get(f"{base}/status").json()
+
+
+def test_streaming_image_chat_through_the_split(stack):
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="unused")
+    part, answer = image_part(101)
+    chunks = list(client.chat.completions.create(
+        model="demo-vlm", max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == answer
+    breakdown = next(c.model_extra["epd_ttft_breakdown"] for c in chunks if c.model_extra.get("epd_ttft_breakdown"))
+    assert breakdown["transfer_bytes"] > 0 and "prefill_ms" in breakdown
+    assert chunks[-1].usage.completion_tokens == len(answer.split())
+    metrics = httpx.get(f"{stack}/metrics").text
+    assert 'epd:placement_total{placement="disaggregated",reason="forced"}' in metrics
+    for worker in status(stack)["decode"]:
+        assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
+
+
+def test_infeasible_deadline_is_refused_before_any_work(stack):
+    before = status(stack)["encoder"][0]["computes"]
+    part, _ = image_part(202)
+    r = httpx.post(f"{stack}/v1/chat/completions", headers={"x-ttft-slo-ms": "1"}, timeout=30, json={
+        "model": "demo-vlm", "max_tokens": 8,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]})
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1
+    assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    assert status(stack)["encoder"][0]["computes"] == before  # refused before the encoder ran
+
+
+def test_text_only_request_skips_the_encoder(stack):
+    before = status(stack)["encoder"][0]
+    r = httpx.post(f"{stack}/v1/chat/completions", timeout=30, json={
+        "model": "demo-vlm", "max_tokens": 4, "messages": [{"role": "user", "content": "hello what do you see ?"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    after = status(stack)["encoder"][0]
+    assert (after["computes"], after["cache_hits"]) == (before["computes"], before["cache_hits"])
