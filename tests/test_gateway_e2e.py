@@ -106,3 +106,18 @@ def test_text_only_request_skips_the_encoder(stack):
     assert r.json()["usage"]["completion_tokens"] >= 1
     after = status(stack)["encoder"][0]
     assert (after["computes"], after["cache_hits"]) == (before["computes"], before["cache_hits"])
+
+
+def test_profile_writes_a_service_time_file_the_simulator_reads(stack, tmp_path):
+    from runtime import service_times as st
+    from runtime.cost_model import CostModel
+    from sim.profile_cli import main as profile_main
+
+    out = tmp_path / "times.json"
+    assert profile_main(["--base", stack, "--out", str(out), "--prompt-words", "0,60", "--batches", "2",
+                         "--repeats", "1"]) == 0
+    content = st.load(out)
+    assert content.tables.prefill and content.tables.decode_step and content.tables.encode
+    assert content.params.kv_bytes_per_token > 0
+    model = CostModel.from_file(out)
+    assert model.prefill_ms(100) > model.prefill_ms(10) > 0
