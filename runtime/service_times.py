@@ -1,0 +1,200 @@
+"""Service-time parameters of the E/P/D pipeline, and their JSON file format.
+
+The defaults are the design chapter's worked example: ``prefill_ms = 20 +
+0.035 x tokens``, a 45 ms decode step with 32 slots, 320 KiB of KV per token and
+a KV link of 12 ms setup plus 22 GiB/s. The encoder defaults are assumptions (the
+chapter gives none); measure them with ``epd profile``.
+
+File format (``--service-times FILE``; ``epd profile`` writes it)::
+
+    {
+      "format": "epd.service-times",
+      "version": 1,
+      "source": "free text: what produced this file",
+      "params": {"prefill_base_ms": 20.0, ...},        # any subset of ServiceTimes fields
+      "tables": {                                        # optional measured points [x, ms]
+        "prefill":     [[tokens, ms], ...],
+        "decode_step": [[batch_size, ms], ...],
+        "transfer":    [[bytes, ms], ...],
+        "encode":      [[images_encoded, ms], ...]
+      }
+    }
+
+``params`` missing from the file keep their defaults; unknown keys are errors.
+``tables`` are raw measurements: ``runtime.cost_model.CostModel.from_file`` fits
+the linear coefficients to them (falling back to ``params`` where a table is too
+small or degenerate). This module only parses and writes; it does no fitting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT = "epd.service-times"
+VERSION = 1
+TABLE_NAMES = ("prefill", "decode_step", "transfer", "encode")
+
+KIB = 1024
+GIB = 1024**3
+
+
+class ServiceTimesError(ValueError):
+    """A service-time file or parameter set is malformed."""
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceTimes:
+    """Linear service-time coefficients; every duration in ms, every size in bytes.
+
+    prefill_ms(tokens)     = prefill_base_ms + prefill_ms_per_token x tokens
+                             (+ prefill_chunk_overhead_ms per chunk when chunked)
+    decode_step_ms(batch)  = decode_step_base_ms + decode_step_ms_per_seq x batch
+    kv_bytes(tokens)       = kv_bytes_per_token x tokens
+    transfer_ms(bytes)     = link_setup_ms + 1000 x bytes / link_bytes_per_s
+    encode_ms(new, cached) = encode_base_ms + encode_ms_per_image x new
+                             + encode_cache_hit_ms x cached   (0 when no images)
+    """
+
+    prefill_base_ms: float = 20.0
+    prefill_ms_per_token: float = 0.035
+    prefill_chunk_overhead_ms: float = 0.0
+    decode_step_base_ms: float = 45.0
+    decode_step_ms_per_seq: float = 0.0
+    decode_slots: int = 32
+    kv_bytes_per_token: int = 320 * KIB
+    link_setup_ms: float = 12.0
+    link_bytes_per_s: float = 22.0 * GIB
+    encode_base_ms: float = 10.0
+    encode_ms_per_image: float = 40.0
+    encode_cache_hit_ms: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ServiceTimesError(f"{f.name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ServiceTimesError(f"{f.name} must be finite and >= 0, got {value!r}")
+        for name in ("decode_slots", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if value < 1 or int(value) != value:
+                raise ServiceTimesError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))  # 32.0 from JSON -> 32
+        if self.link_bytes_per_s <= 0:
+            raise ServiceTimesError("link_bytes_per_s must be > 0")
+        if self.decode_step_base_ms + self.decode_step_ms_per_seq <= 0:
+            raise ServiceTimesError("a decode step must take some time (base + per-seq > 0)")
+
+    def replace(self, **changes: Any) -> ServiceTimes:
+        """A copy with some fields changed (validated)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ServiceTimesError(f"unknown service-time parameter(s): {sorted(unknown)}")
+        return ServiceTimes(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServiceTimes:
+        if not isinstance(data, dict):
+            raise ServiceTimesError(f"params must be an object, got {type(data).__name__}")
+        return cls().replace(**data)
+
+
+Point = tuple[float, float]
+
+
+@dataclass(slots=True, frozen=True)
+class MeasuredTables:
+    """Raw (x, ms) measurements per stage; x is tokens, batch size, bytes or images."""
+
+    prefill: tuple[Point, ...] = ()
+    decode_step: tuple[Point, ...] = ()
+    transfer: tuple[Point, ...] = ()
+    encode: tuple[Point, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in TABLE_NAMES:
+            for point in getattr(self, name):
+                if len(point) != 2 or not all(math.isfinite(v) and v >= 0 for v in point):
+                    raise ServiceTimesError(f"tables.{name}: each point must be [x >= 0, ms >= 0], got {point!r}")
+
+    def to_dict(self) -> dict[str, list[list[float]]]:
+        return {name: [list(p) for p in getattr(self, name)] for name in TABLE_NAMES if getattr(self, name)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeasuredTables:
+        if not isinstance(data, dict):
+            raise ServiceTimesError("tables must be an object")
+        unknown = set(data) - set(TABLE_NAMES)
+        if unknown:
+            raise ServiceTimesError(f"unknown table(s) {sorted(unknown)}; expected {list(TABLE_NAMES)}")
+        parsed: dict[str, tuple[Point, ...]] = {}
+        for name, rows in data.items():
+            if not isinstance(rows, list):
+                raise ServiceTimesError(f"tables.{name} must be a list of [x, ms] pairs")
+            try:
+                parsed[name] = tuple((float(x), float(ms)) for x, ms in rows)
+            except (TypeError, ValueError):
+                raise ServiceTimesError(f"tables.{name} must be a list of [x, ms] pairs") from None
+        return cls(**parsed)
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceTimesFile:
+    """Everything one service-time file holds."""
+
+    params: ServiceTimes = field(default_factory=ServiceTimes)
+    tables: MeasuredTables = field(default_factory=MeasuredTables)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT, "version": VERSION, "source": self.source, "params": self.params.to_dict()}
+        tables = self.tables.to_dict()
+        if tables:
+            out["tables"] = tables
+        return out
+
+
+def parse(data: dict[str, Any]) -> ServiceTimesFile:
+    """Validate a decoded JSON document."""
+    if not isinstance(data, dict):
+        raise ServiceTimesError("a service-time file must hold a JSON object")
+    if data.get("format") != FORMAT:
+        raise ServiceTimesError(f"format must be {FORMAT!r}, got {data.get('format')!r}")
+    if data.get("version") != VERSION:
+        raise ServiceTimesError(f"unsupported version {data.get('version')!r}; this build reads version {VERSION}")
+    unknown = set(data) - {"format", "version", "source", "params", "tables"}
+    if unknown:
+        raise ServiceTimesError(f"unknown top-level key(s) {sorted(unknown)}")
+    return ServiceTimesFile(
+        params=ServiceTimes.from_dict(data.get("params", {})),
+        tables=MeasuredTables.from_dict(data.get("tables", {})),
+        source=str(data.get("source", "")),
+    )
+
+
+def load(path: str | Path) -> ServiceTimesFile:
+    """Read and validate a service-time file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ServiceTimesError(f"cannot read service-time file {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ServiceTimesError(f"{path}: not valid JSON: {exc}") from None
+    try:
+        return parse(data)
+    except ServiceTimesError as exc:
+        raise ServiceTimesError(f"{path}: {exc}") from None
+
+
+def save(path: str | Path, content: ServiceTimesFile) -> None:
+    """Write ``content`` as a service-time file (pretty JSON, trailing newline)."""
+    Path(path).write_text(json.dumps(content.to_dict(), indent=2) + "\n", encoding="utf-8")
