@@ -69,14 +69,16 @@ class KVReceiver:
         if chunk.chunk_index in attempt.received:
             return ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
 
-        problem = self._validate(chunk, res.prompt_tokens)
+        # one read of the field: each read of a bytes field of a (upb) message is a fresh copy
+        payload = chunk.payload
+        problem = self._validate(chunk, payload, res.prompt_tokens)
         if problem:
             attempt.set_state(TransferState.FAILED, problem)
             return ChunkResult(ChunkOutcome.REJECTED, problem)
 
         with warnings.catch_warnings():  # read-only message buffer: we only copy out of it
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(chunk.payload, dtype=torch.uint8)
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
         kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
         self.pool.write(res.blocks, chunk.token_start, kv)
 
@@ -85,7 +87,7 @@ class KVReceiver:
             attempt.first_chunk_at = now
             attempt.set_state(TransferState.TRANSFERRING)
         attempt.received[chunk.chunk_index] = (chunk.token_start, chunk.token_end)
-        attempt.bytes_received += len(chunk.payload)
+        attempt.bytes_received += len(payload)
         if chunk.last:
             attempt.total_chunks = chunk.total_chunks
             attempt.first_token = chunk.first_token
@@ -95,7 +97,7 @@ class KVReceiver:
         self._maybe_complete(res)
         return ChunkResult(ChunkOutcome.ACCEPTED)
 
-    def _validate(self, chunk: pb.KVChunk, prompt_tokens: int) -> str:
+    def _validate(self, chunk: pb.KVChunk, payload: bytes, prompt_tokens: int) -> str:
         layout = self.pool.layout
         n = chunk.token_end - chunk.token_start
         if not (0 <= chunk.token_start < chunk.token_end <= prompt_tokens):
@@ -107,7 +109,7 @@ class KVReceiver:
         expected = [layout.layers, 2, n, layout.kv_heads, layout.head_dim]
         if list(chunk.shape) != expected:
             return f"shape {list(chunk.shape)} != {expected}"
-        if payload_checksum(chunk.payload) != chunk.checksum:
+        if payload_checksum(payload) != chunk.checksum:
             return f"checksum mismatch on chunk {chunk.chunk_index}"
         return ""
 

@@ -37,6 +37,7 @@ class KVSender:
         self.chunks_sent = 0
         self.first_send_at: float | None = None
         self.done_at: float | None = None
+        self._broken: TransferBroken | None = None   # why our own chunk iterator stopped the stream
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -59,7 +60,8 @@ class KVSender:
             if self._faults.amount("delay_chunk_ms"):
                 await asyncio.sleep(self._faults.amount("delay_chunk_ms") / 1000)
             if chunk.last and self._faults.coin("fail_transfer"):
-                raise TransferBroken("injected fault: transfer broken off before the last chunk")
+                self._broken = TransferBroken("injected fault: transfer broken off before the last chunk")
+                raise self._broken
             if self._faults.coin("crash_prefill"):
                 os._exit(17)  # injected crash mid-transfer
             if self.first_send_at is None:
@@ -75,6 +77,11 @@ class KVSender:
             resp = await self._stub.PushKV(self._chunks(), timeout=max(0.05, self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise TransferBroken(f"decode stream failed: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.CancelledError:
+            # grpc cancels the call when the request iterator raises; surface our reason instead
+            if self._broken is not None:
+                raise self._broken from None
+            raise
         finally:
             self.done_at = time.monotonic()
         if resp.state != "SUCCESS":
