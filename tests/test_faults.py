@@ -138,6 +138,8 @@ async def test_encoder_stall_fails_by_the_deadline(cluster, processor):
     cluster.start("decode")
     cluster.wait_healthy()
     results = await run_batch(cluster, processor, range(28, 30))
+    assert results[0][0] == "deadline"  # the first request waits on the stalled encoder until its deadline
     for outcome, _, secs, _ in results:
-        assert outcome == "deadline"
+        # later ones may be refused up front (the encoder's queue is known) or time out: never hang
+        assert outcome in ("deadline", "failed")
         assert secs <= DEADLINE_S + MARGIN_S
