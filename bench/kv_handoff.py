@@ -210,6 +210,37 @@ async def grpc_push(stub, msgs, n_tokens: int, fingerprint: str) -> tuple[float,
     return elapsed, (server[-1] if server else None)
 
 
+async def bulk_push(stub, msgs, n_tokens: int, fingerprint: str) -> float:
+    """One timed handoff over the bulk TCP path with the prefill worker's own ``KVSender``."""
+    from prefill_svc.kv_sender import KVSender
+    from proto.epd.v1 import epd_pb2 as pb
+    from runtime.faults import FaultInjector
+
+    res = await stub.Reserve(pb.ReserveRequest(request_id="bench", prompt_tokens=n_tokens, max_tokens=1,
+                                               deadline_unix_ms=int((time.time() + 600) * 1000),
+                                               token_digest="bench-digest", model_fingerprint=fingerprint), timeout=30)
+    if not res.bulk_address:
+        raise RuntimeError("decode worker has no bulk KV path (--kv-transport bulk)")
+    sender = KVSender(stub, 600, FaultInjector(""), bulk_address=res.bulk_address)
+    for m in msgs:
+        header = pb.KVChunk()
+        header.CopyFrom(m)
+        payload = header.payload
+        header.ClearField("payload")
+        header.payload_bytes = len(payload)
+        header.reservation.CopyFrom(res.reservation)
+        sender.put(header, payload)
+    sender.finish()
+    t0 = time.perf_counter()
+    sender.start()
+    ack = await sender.wait()
+    elapsed = time.perf_counter() - t0
+    if ack.accepted != len(msgs):
+        raise RuntimeError(f"bulk transfer not verified: {ack}")
+    await stub.Release(pb.ReleaseRequest(request_id="bench", reservation=res.reservation, reason="bench"), timeout=30)
+    return elapsed
+
+
 # -- where the time goes: each stage of the gRPC path, in this process ---------------------
 def breakdown(kv, msgs, layout, block_size: int = 16, reps: int = 3) -> dict[str, float]:
     """Seconds per stage for the whole transfer, each stage timed alone in this process (best of ``reps``)."""
@@ -307,26 +338,30 @@ async def run_grpc_side(address: str, args, results: dict, socket_port: int, raw
             msgs, checksum_s, frame_s = frame_chunks(kv, chunk_tokens, layout, fingerprint)
             row = dict(chunk_mib=chunk_mib, chunk_tokens=chunk_tokens, chunks=len(msgs),
                        chunk_bytes=chunk_tokens * per_token, sender_checksum_s=checksum_s, sender_frame_s=frame_s,
-                       grpc_s=[], decode_transfer_sample_s=[], socket_s=[], grpc_raw_s=[])
+                       grpc_s=[], decode_transfer_sample_s=[], socket_s=[], grpc_raw_s=[], bulk_s=[])
             pieces = [m.payload for m in msgs]
             # warm-up: one untimed handoff (channel, HTTP/2 window growth, allocator)
             await grpc_push(stub, msgs, n_tokens, fingerprint)
             await asyncio.to_thread(socket_send, socket_port, raw, row["chunk_bytes"])
             await grpc_raw_push(raw_ch, pieces)
+            await bulk_push(stub, msgs, n_tokens, fingerprint)
             for _ in range(args.repeats):
+                row["bulk_s"].append(await bulk_push(stub, msgs, n_tokens, fingerprint))
                 g, server = await grpc_push(stub, msgs, n_tokens, fingerprint)
                 row["grpc_s"].append(g)
                 row["decode_transfer_sample_s"].append(server)
                 row["socket_s"].append(await asyncio.to_thread(socket_send, socket_port, raw, row["chunk_bytes"]))
                 row["grpc_raw_s"].append(await grpc_raw_push(raw_ch, pieces))
-            med = {k: statistics.median(row[f"{k}_s"]) for k in ("grpc", "socket", "grpc_raw")}
+            med = {k: statistics.median(row[f"{k}_s"]) for k in ("grpc", "socket", "grpc_raw", "bulk")}
             for k, v in med.items():
                 row[f"{k}_gbps"] = total / v / 1e9
                 row[f"{k}_best_gbps"] = total / min(row[f"{k}_s"]) / 1e9
             row["ratio"] = med["socket"] / med["grpc"]                 # PushKV throughput / socket throughput
             row["grpc_raw_ratio"] = med["socket"] / med["grpc_raw"]
+            row["bulk_ratio"] = med["socket"] / med["bulk"]            # bulk KV path throughput / socket
             samples = [x for x in row["decode_transfer_sample_s"] if x is not None]
-            print(f"chunk {chunk_mib:g} MiB x {len(msgs)}: PushKV {row['grpc_gbps']:.3f} GB/s (best {row['grpc_best_gbps']:.3f}) | "
+            print(f"chunk {chunk_mib:g} MiB x {len(msgs)}: BULK {row['bulk_gbps']:.3f} GB/s "
+                  f"(best {row['bulk_best_gbps']:.3f}), bulk/socket {row['bulk_ratio']:.2f} | PushKV {row['grpc_gbps']:.3f} GB/s (best {row['grpc_best_gbps']:.3f}) | "
                   f"socket {row['socket_gbps']:.3f} (best {row['socket_best_gbps']:.3f}) | "
                   f"raw gRPC bytes {row['grpc_raw_gbps']:.3f} (best {row['grpc_raw_best_gbps']:.3f}) GB/s | "
                   f"PushKV/socket {row['ratio']:.2f}, raw gRPC/socket {row['grpc_raw_ratio']:.2f} "

@@ -55,7 +55,9 @@ class KVReceiver:
         self.table = table
         self.pool = pool
 
-    def land(self, chunk: pb.KVChunk) -> ChunkResult:
+    def land(self, chunk: pb.KVChunk, payload: bytes | memoryview | None = None) -> ChunkResult:
+        """Land one chunk. ``payload`` is given by the bulk path (bytes that followed the
+        header on the socket); over gRPC it is the message's own ``payload`` field."""
         res = self.table.get(chunk.reservation.reservation_id)
         if res is None or res.released:
             return ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
@@ -69,8 +71,9 @@ class KVReceiver:
         if chunk.chunk_index in attempt.received:
             return ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
 
-        # one read of the field: each read of a bytes field of a (upb) message is a fresh copy
-        payload = chunk.payload
+        if payload is None:
+            # one read of the field: each read of a bytes field of a (upb) message is a fresh copy
+            payload = chunk.payload
         problem = self._validate(chunk, payload, res.prompt_tokens)
         if problem:
             attempt.set_state(TransferState.FAILED, problem)

@@ -17,6 +17,7 @@ from runtime.model_adapter import VLMAdapter
 from runtime.settings import WorkerSettings, parse_worker_args
 from runtime.worker_metrics import serve_worker_metrics
 
+from .bulk_receiver import BulkKVServer
 from .servicer import DecodeServicer
 
 log = logging.getLogger("epd.decode")
@@ -35,6 +36,12 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
     pb_grpc.add_DecodeServicer_to_server(servicer, server.server)
     servicer.start()
     servicer.address = await server.start()
+    if settings.kv_transport == "bulk":
+        bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.record_transfer)
+        port = await bulk.start(settings.host, settings.bulk_port)
+        servicer.bulk_address = f"{servicer.address.rsplit(':', 1)[0]}:{port}"
+        servicer.on_stop(bulk.stop)
+        log.info("bulk KV path on %s", servicer.bulk_address)
     log.info("decode KV pool: %d blocks of %d tokens (%s)", pool.num_blocks, pool.block_size, adapter.kv_layout.describe())
     return server, servicer
 

@@ -56,15 +56,23 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings)
         self.address = ""
+        self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self.serving = True
         self.chunks_rejected = 0
         self._reaper: asyncio.Task | None = None
+        self._on_stop: list = []
 
     def start(self) -> None:
         self.scheduler.start()
         self._reaper = asyncio.create_task(self._reap_leases(), name="lease-reaper")
 
+    def on_stop(self, callback) -> None:
+        """Register an async cleanup (e.g. the bulk KV server) run by ``stop``."""
+        self._on_stop.append(callback)
+
     async def stop(self) -> None:
+        for callback in self._on_stop:
+            await callback()
         if self._reaper:
             self._reaper.cancel()
         await self.scheduler.stop()
@@ -112,7 +120,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
         return pb.ReserveResponse(
             reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
-            blocks=len(res.blocks), alloc_ms=res.alloc_ms)
+            blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address)
+
+    def record_transfer(self, res: Reservation) -> None:
+        """After a push stream ends (gRPC or bulk): a timing sample for the gateway's cost model."""
+        a = res.attempt
+        if a.state == TransferState.SUCCESS and a.first_chunk_at is not None and a.completed_at is not None:
+            self.timings.record("transfer", a.bytes_received, (a.completed_at - a.first_chunk_at) * 1000)
 
     async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:
         res = self.table.rearm(request.reservation.reservation_id)
@@ -141,9 +155,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         state = ""
         if last is not None and (res := self.table.get(last.reservation.reservation_id)) is not None:
             state = res.attempt.state.name
-            if res.attempt.state == TransferState.SUCCESS and res.attempt.first_chunk_at is not None:
-                self.timings.record("transfer", res.attempt.bytes_received,
-                                    (res.attempt.completed_at - res.attempt.first_chunk_at) * 1000)
+            self.record_transfer(res)
         return pb.PushKVResponse(accepted=accepted, duplicates=duplicates, rejected=rejected, state=state, detail=detail)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:

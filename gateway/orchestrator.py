@@ -207,6 +207,7 @@ class Orchestrator:
                 m.ADMISSION_REJECTED.labels("no_decode_capacity").inc()
                 raise AdmissionRefused(429, f"decode capacity: {exc.details()}", 1.0) from exc
             raise self._rpc_failure("decode", h, exc, job) from exc
+        h.bulk_address = resp.bulk_address
         return resp.reservation
 
     async def _release(self, h: WorkerHandle, reservation: pb.Reservation | None, job: ChatJob, reason: str) -> None:
@@ -220,11 +221,14 @@ class Orchestrator:
                              refs: list[pb.ImageRef], digest: str, breakdown: dict[str, float]) -> AsyncIterator[TokenEvent]:
         decode = self.registry.get("decode", decision.decode_worker)
         prefill = self.registry.get("prefill", decision.prefill_worker) if decision.prefill_worker else None
+        if decode is None or (decision.prefill_worker and prefill is None):
+            raise BackendFailure("the worker chosen for this request left before it got there", 503)
         colocated = decision.placement == "colocated"
-        reservation = await self._reserve(decode, job, digest)
+        reservation = None
         attempts = 0
-        decode.inflight += 1
+        decode.inflight += 1  # from before Reserve: a handle dropped from discovery keeps its channel while > 0
         try:
+            reservation = await self._reserve(decode, job, digest)
             while True:
                 try:
                     stream, first = await self._start_attempt(job, decode, prefill, reservation, refs, digest, colocated, breakdown)
@@ -272,8 +276,8 @@ class Orchestrator:
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_failure("decode", decode, exc, job) from exc
         finally:
-            decode.inflight -= 1
             await self._release(decode, reservation, job, "request ended")
+            decode.inflight -= 1
 
     @staticmethod
     def _close_stream(stream) -> None:
@@ -306,7 +310,8 @@ class Orchestrator:
             prefill.inflight += 1
             prefill_task = asyncio.ensure_future(prefill.stub.Prefill(pb.PrefillRequest(
                 request_id=job.request_id, token_ids=job.token_ids, images=refs, sampling=sampling_to_pb(job.sampling),
-                decode_address=decode.address, reservation=reservation, chunk_tokens=self.chunk_tokens,
+                decode_address=decode.address, decode_bulk_address=decode.bulk_address,
+                reservation=reservation, chunk_tokens=self.chunk_tokens,
                 deadline_unix_ms=_now_unix_ms(job.ttft_deadline_s), token_digest=digest), timeout=self._left_s(job)))
         first_task = asyncio.ensure_future(anext(stream.__aiter__()))
         try:

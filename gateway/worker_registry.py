@@ -4,7 +4,8 @@ Discovery: static addresses from settings, plus (with Redis) every worker that
 registered itself with a heartbeat. A poll loop calls each worker's ``Stats``
 every ``poll_s``: success marks it healthy and refreshes its load; a failure marks
 it unhealthy at once (routed around) and it is taken back as soon as a poll
-succeeds again. Workers that vanish from Redis are dropped.
+succeeds again. Workers that vanish from Redis are dropped (their channel is closed once
+this gateway's requests on them have ended: a draining worker leaves Redis first).
 
 Timing samples in the stats feed the cost model (``on_sample``), so its
 coefficients are calibrated online from what the workers measure.
@@ -46,6 +47,7 @@ class WorkerHandle:
     last_sample: int = 0
     failures: int = 0
     inflight: int = field(default=0)   # requests this gateway currently has on the worker
+    bulk_address: str = ""             # decode: its bulk KV path, learnt from Reserve replies
 
     def describe(self) -> dict:
         s = self.stats
@@ -72,6 +74,9 @@ class WorkerRegistry:
         self.poll_s = poll_s
         self.on_sample = on_sample or (lambda role, s: None)
         self._task: asyncio.Task | None = None
+        # handles that left discovery while this gateway still had requests on them: their
+        # channel stays open until those requests end (a draining worker deregisters first)
+        self._leaving: list[WorkerHandle] = []
 
     def _add(self, role: str, address: str, static: bool = False) -> WorkerHandle:
         if address not in self.workers[role]:
@@ -92,9 +97,8 @@ class WorkerRegistry:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for handles in self.workers.values():
-            for h in handles.values():
-                await h.channel.close()
+        for h in [*(h for handles in self.workers.values() for h in handles.values()), *self._leaving]:
+            await h.channel.close()
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await self._redis.aclose()
@@ -116,10 +120,14 @@ class WorkerRegistry:
                         self._add(role, address)
                     for address, h in list(self.workers[role].items()):
                         if not h.static and address not in live:
-                            await h.channel.close()
                             del self.workers[role][address]
+                            h.healthy = False
+                            self._leaving.append(h)   # a draining worker finishes what it accepted
             except Exception as exc:
                 log.warning("discovery through Redis failed: %s", exc)
+        for h in [h for h in self._leaving if h.inflight <= 0]:
+            self._leaving.remove(h)
+            await h.channel.close()
         await asyncio.gather(*(self._poll(h) for handles in self.workers.values() for h in list(handles.values())))
 
     async def _poll(self, h: WorkerHandle) -> None:

@@ -1,7 +1,8 @@
 """Pushing one request's KV chunks to the decode worker that reserved blocks for them.
 
-One client stream (``Decode.PushKV``) per request. Chunks are queued as soon as
-prefill computes them and sent eagerly (every ready chunk goes out now; the last
+One stream per request: over the decode worker's bulk TCP path when it has one
+(see ``decode_svc/bulk_receiver.py`` for the framing), else a ``Decode.PushKV``
+client stream. Chunks are queued as soon as prefill computes them and sent eagerly (every ready chunk goes out now; the last
 one is marked final and carries the first token), so the transfer of chunk k
 overlaps the compute of chunk k+1. The stream's gRPC deadline is the request's.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import struct
 import time
 
 import grpc
@@ -24,11 +27,13 @@ class TransferBroken(RuntimeError):
 
 
 _END = object()
+_LEN = struct.Struct("<I")
 
 
 class KVSender:
-    def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector):
+    def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector, bulk_address: str = ""):
         self._stub = stub
+        self._bulk_address = bulk_address
         self._timeout_s = timeout_s
         self._faults = faults
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -42,8 +47,9 @@ class KVSender:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
-    def put(self, chunk: pb.KVChunk) -> None:
-        self._queue.put_nowait(chunk)
+    def put(self, header: pb.KVChunk, payload: bytes) -> None:
+        """Queue one chunk: its header (``payload_bytes`` set, ``payload`` empty) and its bytes."""
+        self._queue.put_nowait((header, payload))
 
     def finish(self) -> None:
         self._queue.put_nowait(_END)
@@ -53,10 +59,12 @@ class KVSender:
             self._task.cancel()
 
     async def _chunks(self):
+        """Yield ``(header, payload)`` in order, applying the injected sender-side faults."""
         while True:
-            chunk = await self._queue.get()
-            if chunk is _END:
+            item = await self._queue.get()
+            if item is _END:
                 return
+            chunk, payload = item
             if self._faults.amount("delay_chunk_ms"):
                 await asyncio.sleep(self._faults.amount("delay_chunk_ms") / 1000)
             if chunk.last and self._faults.coin("fail_transfer"):
@@ -66,15 +74,31 @@ class KVSender:
                 os._exit(17)  # injected crash mid-transfer
             if self.first_send_at is None:
                 self.first_send_at = time.monotonic()
-            self.bytes_sent += len(chunk.payload)
+            self.bytes_sent += len(payload)
             self.chunks_sent += 1
-            yield chunk
+            yield chunk, payload
             if self._faults.coin("dup_chunk"):
-                yield chunk
+                yield chunk, payload
+
+    async def _grpc_messages(self):
+        async for chunk, payload in self._chunks():
+            msg = pb.KVChunk()
+            msg.CopyFrom(chunk)
+            msg.payload = payload
+            yield msg
 
     async def _run(self) -> pb.PushKVResponse:
+        if self._bulk_address:
+            try:
+                async with asyncio.timeout(max(0.05, self._timeout_s)):
+                    resp = await self._run_bulk()
+            except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                self.done_at = time.monotonic()
+                raise TransferBroken(f"bulk KV stream to {self._bulk_address} failed: {exc!r}") from exc
+            self.done_at = time.monotonic()
+            return self._check(resp)
         try:
-            resp = await self._stub.PushKV(self._chunks(), timeout=max(0.05, self._timeout_s))
+            resp = await self._stub.PushKV(self._grpc_messages(), timeout=max(0.05, self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise TransferBroken(f"decode stream failed: {exc.code().name}: {exc.details()}") from exc
         except asyncio.CancelledError:
@@ -84,9 +108,42 @@ class KVSender:
             raise
         finally:
             self.done_at = time.monotonic()
+        return self._check(resp)
+
+    @staticmethod
+    def _check(resp: pb.PushKVResponse) -> pb.PushKVResponse:
         if resp.state != "SUCCESS":
             raise TransferBroken(f"decode reports transfer {resp.state or 'incomplete'}: {resp.detail}")
         return resp
+
+    async def _run_bulk(self) -> pb.PushKVResponse:
+        """Plain socket, no transport buffer: ``sock_sendall`` sends the payload bytes in place."""
+        loop = asyncio.get_running_loop()
+        host, port = self._bulk_address.rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (host, int(port)))
+            async for chunk, payload in self._chunks():
+                header = chunk.SerializeToString()
+                await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
+                await loop.sock_sendall(sock, payload)
+            await loop.sock_sendall(sock, _LEN.pack(0))
+            size = _LEN.unpack(await self._recv_exactly(loop, sock, 4))[0]
+            return pb.PushKVResponse.FromString(await self._recv_exactly(loop, sock, size))
+        finally:
+            sock.close()
+
+    @staticmethod
+    async def _recv_exactly(loop, sock: socket.socket, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = await loop.sock_recv_into(sock, view[got:])
+            if k == 0:
+                raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+            got += k
+        return bytes(buf)
 
     async def wait(self) -> pb.PushKVResponse:
         return await self._task

@@ -149,7 +149,7 @@ class PrefillScheduler:
                 request_id=job.request_id, reservation=job.reservation, chunk_index=job.chunk_index,
                 layer_start=0, layer_end=self.pool.layout.layers, token_start=start, token_end=end,
                 dtype=dtype_name(layout.dtype), shape=[layout.layers, 2, end - start, layout.kv_heads, layout.head_dim],
-                payload=kv, checksum=payload_checksum(kv),
+                payload_bytes=len(kv), checksum=payload_checksum(kv),
                 last=last,
             )
             job.next_start, job.chunk_index = end, job.chunk_index + 1
@@ -158,7 +158,7 @@ class PrefillScheduler:
                 msg.total_chunks, msg.first_token = job.chunk_index, first
                 msg.token_digest, msg.model_fingerprint = job.token_digest, self.model_fingerprint
                 msg.prefill_ms = job.compute_ms
-            job.sender.put(msg)
+            job.sender.put(msg, kv)
             if last:
                 job.sender.finish()
                 self._finish(job, None)

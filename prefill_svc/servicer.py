@@ -76,7 +76,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults)
+            sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults,
+                              bulk_address=request.decode_bulk_address)
             job = PrefillJob(
                 request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
                 chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, reservation=request.reservation,

@@ -33,10 +33,15 @@ class LinearFit:
     little spread in x only the intercept is refit (the prior slope is kept); a
     negative slope (or a non-positive one when ``positive_slope``) also keeps the
     prior slope; a negative intercept is clamped to 0 and the slope refit through
-    the origin.
+    the origin. Each observation costs O(1): the window keeps running sums of
+    shifted values (recomputed exactly every ``window`` observations, so rounding
+    never accumulates).
     """
 
-    __slots__ = ("prior_intercept", "prior_slope", "intercept", "slope", "min_points", "positive_slope", "_points", "rejected")
+    __slots__ = (
+        "prior_intercept", "prior_slope", "intercept", "slope", "min_points", "positive_slope", "rejected",
+        "_points", "_kx", "_ky", "_sx", "_sy", "_sxx", "_sxy", "_since_exact",
+    )
 
     def __init__(self, intercept: float, slope: float, *, window: int, min_points: int, positive_slope: bool = False) -> None:
         if window < 1 or min_points < 1 or min_points > window:
@@ -45,8 +50,11 @@ class LinearFit:
         self.prior_slope = self.slope = float(slope)
         self.min_points = min_points
         self.positive_slope = positive_slope
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)
         self.rejected = 0
+        self._points: deque[tuple[float, float]] = deque(maxlen=window)
+        self._kx = self._ky = 0.0  # shift: sums are of (x - kx), (y - ky)
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._since_exact = 0
 
     @property
     def points(self) -> int:
@@ -61,19 +69,44 @@ class LinearFit:
         if not (math.isfinite(x) and math.isfinite(y) and x >= 0 and y >= 0):
             self.rejected += 1
             return False
-        self._points.append((float(x), float(y)))
+        x, y = float(x), float(y)
+        points = self._points
+        if len(points) == points.maxlen:
+            self._add(*points[0], sign=-1.0)  # the oldest point leaves the window
+        points.append((x, y))
+        self._since_exact += 1
+        if self._since_exact >= points.maxlen or len(points) == 1:  # type: ignore[operator]
+            self._exact_sums()
+        else:
+            self._add(x, y, sign=1.0)
         self._refit()
         return True
+
+    def _add(self, x: float, y: float, sign: float) -> None:
+        dx, dy = x - self._kx, y - self._ky
+        self._sx += sign * dx
+        self._sy += sign * dy
+        self._sxx += sign * dx * dx
+        self._sxy += sign * dx * dy
+
+    def _exact_sums(self) -> None:
+        n = len(self._points)
+        self._kx = sum(p[0] for p in self._points) / n
+        self._ky = sum(p[1] for p in self._points) / n
+        self._sx = self._sy = 0.0
+        self._sxx = sum((p[0] - self._kx) ** 2 for p in self._points)
+        self._sxy = sum((p[0] - self._kx) * (p[1] - self._ky) for p in self._points)
+        self._since_exact = 0
 
     def _refit(self) -> None:
         n = len(self._points)
         if n < self.min_points:
             self.intercept, self.slope = self.prior_intercept, self.prior_slope
             return
-        mx = sum(p[0] for p in self._points) / n
-        my = sum(p[1] for p in self._points) / n
-        sxx = sum((p[0] - mx) ** 2 for p in self._points)
-        sxy = sum((p[0] - mx) * (p[1] - my) for p in self._points)
+        dmx, dmy = self._sx / n, self._sy / n  # means of the shifted values
+        sxx = self._sxx - n * dmx * dmx  # centered sums
+        sxy = self._sxy - n * dmx * dmy
+        mx, my = self._kx + dmx, self._ky + dmy
         spread_ok = sxx > 1e-12 * n * max(1.0, mx * mx)
         slope = sxy / sxx if spread_ok else self.prior_slope
         if slope < 0 or (self.positive_slope and slope <= 0):
@@ -81,9 +114,10 @@ class LinearFit:
         intercept = my - slope * mx
         if intercept < 0:
             intercept = 0.0
-            sum_xx = sum(p[0] * p[0] for p in self._points)
+            sum_xx = sxx + n * mx * mx  # raw sums, for the fit through the origin
+            sum_xy = sxy + n * mx * my
             if sum_xx > 0:
-                through_origin = sum(p[0] * p[1] for p in self._points) / sum_xx
+                through_origin = sum_xy / sum_xx
                 if through_origin > 0 or (through_origin == 0 and not self.positive_slope):
                     slope = through_origin
         self.intercept, self.slope = intercept, slope
@@ -136,8 +170,11 @@ class CostModel:
         return self.prefill.observe(tokens, ms)
 
     def observe_decode_step(self, batch: int, ms: float) -> bool:
-        """One decode step over ``batch`` running sequences took ``ms``."""
-        return batch >= 1 and self.decode_step.observe(batch, ms)
+        """One decode step over ``batch`` running sequences took ``ms`` (> 0)."""
+        if batch < 1 or not ms > 0:
+            self.decode_step.rejected += 1
+            return False
+        return self.decode_step.observe(batch, ms)
 
     def observe_transfer(self, nbytes: int, ms: float) -> bool:
         """One KV transfer of ``nbytes`` took ``ms`` end to end (setup included)."""
@@ -145,13 +182,17 @@ class CostModel:
 
     def observe_encode(self, n_images: int, ms: float) -> bool:
         """The encoder encoded ``n_images`` (cache misses only) in ``ms``."""
-        return n_images >= 1 and self.encode.observe(n_images, ms)
+        if n_images < 1:
+            self.encode.rejected += 1
+            return False
+        return self.encode.observe(n_images, ms)
 
     def service_times(self) -> ServiceTimes:
         """The current coefficients as a ``ServiceTimes`` (non-fitted fields from the prior)."""
         return self._prior.replace(
             prefill_base_ms=self.prefill.intercept,
             prefill_ms_per_token=self.prefill.slope,
+            # a step always takes time: keep base + slope > 0 even for a degenerate fit
             decode_step_base_ms=max(self.decode_step.intercept, 1e-6 if self.decode_step.slope == 0 else 0.0),
             decode_step_ms_per_seq=self.decode_step.slope,
             link_setup_ms=self.transfer.intercept,
@@ -162,9 +203,10 @@ class CostModel:
 
     def calibration(self) -> dict[str, dict[str, float | int | bool]]:
         """Per-stage fit state, for metrics and logs."""
+        fits = {"prefill": self.prefill, "decode_step": self.decode_step, "transfer": self.transfer, "encode": self.encode}
         return {
             name: {"points": f.points, "fitted": f.fitted, "intercept": f.intercept, "slope": f.slope, "rejected": f.rejected}
-            for name, f in (("prefill", self.prefill), ("decode_step", self.decode_step), ("transfer", self.transfer), ("encode", self.encode))
+            for name, f in fits.items()
         }
 
     # ---- stage estimates ---------------------------------------------------------
@@ -198,7 +240,7 @@ class CostModel:
         return ready
 
     def kv_bytes(self, tokens: int) -> int:
-        return self._prior.kv_bytes_per_token * max(tokens, 0)
+        return self._prior.kv_bytes_per_token * tokens if tokens > 0 else 0
 
     def transfer_ms(self, nbytes: float, link_share: float = 1.0) -> float:
         """Setup plus payload time, with ``link_share`` (0, 1] of the link's bandwidth."""

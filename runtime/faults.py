@@ -63,3 +63,11 @@ class FaultInjector:
             data[len(data) // 2] ^= 0xFF
             chunk.payload = bytes(data)
         return chunk
+
+    def mangle_payload(self, payload: memoryview) -> bool:
+        """Decode side, bulk path: maybe corrupt ``payload`` in place. Returns False to drop the chunk."""
+        if self.coin("drop_chunk"):
+            return False
+        if self.coin("corrupt_chunk") and len(payload):
+            payload[len(payload) // 2] ^= 0xFF
+        return True

@@ -97,11 +97,38 @@ class KVBlockPool:
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv.device)
 
+    def runs(self, blocks: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(position, slot, length)`` runs where consecutive positions sit in consecutive slots.
+
+        Blocks are handed out low ids first, so a sequence's blocks are mostly
+        adjacent and a whole chunk is usually one or a few runs: landing it is a
+        few plain strided copies instead of a gather/scatter per token.
+        """
+        if end > len(blocks) * self.block_size or start < 0 or end < start:
+            raise IndexError(f"positions {start}..{end} outside {len(blocks)} blocks of {self.block_size}")
+        out: list[tuple[int, int, int]] = []
+        pos = start
+        while pos < end:
+            b, off = divmod(pos, self.block_size)
+            length = min(self.block_size - off, end - pos)
+            slot = blocks[b] * self.block_size + off
+            if out and out[-1][1] + out[-1][2] == slot:
+                p0, s0, l0 = out[-1]
+                out[-1] = (p0, s0, l0 + length)
+            else:
+                out.append((pos, slot, length))
+            pos += length
+        return out
+
     def write(self, blocks: list[int], start: int, chunk: torch.Tensor) -> None:
         """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``."""
-        n = chunk.shape[2]
-        self._flat[:, :, self.slots(blocks, start, start + n)] = chunk.to(self.kv.device, self.kv.dtype)
+        chunk = chunk.to(self.kv.device, self.kv.dtype)
+        for pos, slot, length in self.runs(blocks, start, start + chunk.shape[2]):
+            self._flat[:, :, slot: slot + length] = chunk[:, :, pos - start: pos - start + length]
 
     def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""
-        return self._flat[:, :, self.slots(blocks, start, end)]
+        out = self.kv.new_empty((self.layout.layers, 2, end - start, self.layout.kv_heads, self.layout.head_dim))
+        for pos, slot, length in self.runs(blocks, start, end):
+            out[:, :, pos - start: pos - start + length] = self._flat[:, :, slot: slot + length]
+        return out

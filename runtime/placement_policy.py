@@ -12,7 +12,7 @@ Placements:
 - ``disaggregated`` (remote): prefill on P, KV over the link P -> X (after prefill,
   or chunk by chunk so the transfer overlaps prefill), then one decode step on X
   before the first token. TTFT = P's queue + prefill + transfer (behind the link's
-  queue) + X's wait + one step.
+  queue) + X's slot wait + one step.
 - ``conditional``: per request, the option that harms fewer requests' SLOs, then
   the cheaper one. Harm ("damage") counts this request if its TTFT estimate
   misses the deadline, plus, for colocated, every running neighbour whose next
@@ -193,7 +193,8 @@ def link_share(nbytes: float, link: LinkLoad) -> float:
         return 1.0
     competing = link.queued_bytes
     if link.active_transfers > 0:
-        competing += min(link.inflight_bytes, link.active_transfers * nbytes)
+        sharing = link.active_transfers * nbytes
+        competing += link.inflight_bytes if link.inflight_bytes < sharing else sharing
     return nbytes / (nbytes + competing)
 
 
@@ -270,12 +271,11 @@ def _remote_landed(
 
 
 def _remote_ttft(landed: float, decode: DecodeWorkerLoad, cm: CostModel) -> float:
-    """Inserted once the KV landed, a slot is reserved and local work ahead drained; then one step."""
+    """Inserted once the KV landed and a slot is reserved; then one step. (A landed sequence
+    joins at the next step boundary: it does not wait for the worker's local prefill queue.)"""
     inserted = landed
     if decode.free_slots <= 0 and decode.slot_wait_ms > inserted:
         inserted = decode.slot_wait_ms
-    if decode.queue_wait_ms > inserted:
-        inserted = decode.queue_wait_ms
     return inserted + cm.decode_step_ms(decode.running_seqs + 1)
 
 
@@ -308,9 +308,10 @@ def choose_placement(
     if not decode:
         return None
     enc = estimate_encode_ms(shape, loads.encoder, cost_model)
-    local_capable = [w for w in decode if w.accepts_local_prefill]
+    forced_remote = mode == REMOTE and bool(loads.prefill)
+    local_capable = [] if forced_remote else [w for w in decode if w.accepts_local_prefill]
     local = remote = None
-    if local_capable and (mode != REMOTE or not loads.prefill):
+    if local_capable:
         local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc)
     if loads.prefill and (mode != COLOCATED or not local_capable):
         remote = _best_remote(shape, loads, decode, cost_model, transfer_chunk_tokens, enc)
@@ -368,18 +369,20 @@ def _best_remote(
     """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT."""
     prefill, soonest = loads.prefill[0], math.inf
     for p in loads.prefill:
-        done = p.queue_wait_ms + cm.prefill_ms(shape.prompt_tokens - p.cached_prefix_tokens if p.cached_prefix_tokens else shape.prompt_tokens)
+        tokens = shape.prompt_tokens - p.cached_prefix_tokens if p.cached_prefix_tokens else shape.prompt_tokens
+        done = p.queue_wait_ms + cm.prefill_ms(tokens)
         if done < soonest:
             prefill, soonest = p, done
-    landed: dict[int, tuple[float, float]] = {}  # by the decode side's cached prefix
+    link, chunk = loads.link, transfer_chunk_tokens
+    common = _remote_landed(shape, prefill, 0, link, cm, chunk, encode_ms)
     best_w, best_ttft, best_transfer = None, 0.0, 0.0
     for w in decode:
-        cached = w.cached_prefix_tokens
-        if cached not in landed:
-            landed[cached] = _remote_landed(shape, prefill, cached, loads.link, cm, transfer_chunk_tokens, encode_ms)
-        at, transfer = landed[cached]
+        if w.cached_prefix_tokens:  # this worker already holds part of the KV: less to send
+            at, transfer = _remote_landed(shape, prefill, w.cached_prefix_tokens, link, cm, chunk, encode_ms)
+        else:
+            at, transfer = common
         ttft = _remote_ttft(at, w, cm)
-        if best_w is None or ttft < best_ttft - _TIE_MS or (ttft <= best_ttft + _TIE_MS and _tie_better(w, best_w)):
+        if _better(ttft, w, best_ttft, best_w):
             best_w, best_ttft, best_transfer = w, ttft, transfer
     return RemoteEstimate(prefill.address, best_w.address, best_ttft, best_transfer)  # type: ignore[union-attr]
 
@@ -395,18 +398,23 @@ def _better(cost: float, w: DecodeWorkerLoad, best_cost: float, best_w: DecodeWo
 
 
 def _tie_better(w: DecodeWorkerLoad, other: DecodeWorkerLoad) -> bool:
-    return w.free_slots > other.free_slots or (w.free_slots == other.free_slots and w.running_seqs < other.running_seqs)
+    if w.free_slots != other.free_slots:
+        return w.free_slots > other.free_slots
+    return w.running_seqs < other.running_seqs
 
 
-def _decision(chosen: LocalEstimate | RemoteEstimate, reason: str, local: LocalEstimate | None, remote: RemoteEstimate | None) -> PlacementDecision:
+def _decision(
+    chosen: LocalEstimate | RemoteEstimate, reason: str, local: LocalEstimate | None, remote: RemoteEstimate | None
+) -> PlacementDecision:
     estimates = {"ttft_ms": chosen.ttft_ms}
     if local is not None:
-        estimates.update(
-            local_ttft_ms=local.ttft_ms, local_gap_ms=local.gap_ms, local_interference_ms=local.interference_ms,
-            local_breached=float(local.breached),
-        )
+        estimates["local_ttft_ms"] = local.ttft_ms
+        estimates["local_gap_ms"] = local.gap_ms
+        estimates["local_interference_ms"] = local.interference_ms
+        estimates["local_breached"] = float(local.breached)
     if remote is not None:
-        estimates.update(remote_ttft_ms=remote.ttft_ms, remote_transfer_ms=remote.transfer_ms)
+        estimates["remote_ttft_ms"] = remote.ttft_ms
+        estimates["remote_transfer_ms"] = remote.transfer_ms
     if isinstance(chosen, LocalEstimate):
         return PlacementDecision(COLOCATED, chosen.worker, None, reason, estimates)
     return PlacementDecision(REMOTE, chosen.decode_worker, chosen.prefill_worker, reason, estimates)

@@ -43,6 +43,8 @@ class WorkerSettings(BaseSettings):
     kv_block_size: int = Field(default=16, ge=1)
     decode_max_batch: int = Field(default=64, ge=1)
     lease_margin_s: float = Field(default=10.0, ge=0)
+    kv_transport: Literal["bulk", "grpc"] = "bulk"   # bulk: raw TCP beside gRPC for KV bytes
+    bulk_port: int = Field(default=0, ge=0, le=65535)   # 0: any free port (advertised in Reserve)
     # fault injection (off by default; see runtime/faults.py)
     faults: str = ""
 
@@ -85,6 +87,8 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--kv-memory-mb", type=int)
     p.add_argument("--prefill-chunk-tokens", type=int)
+    p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
+    p.add_argument("--bulk-port", type=int)
     p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}

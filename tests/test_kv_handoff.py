@@ -411,3 +411,62 @@ async def test_digest_or_fingerprint_mismatch_fails_the_transfer(env, stub, fiel
     expected = "token digest mismatch" if field == "token_digest" else "fingerprint mismatch"
     assert err.details().startswith("KV transfer failed") and expected in err.details()
     assert (await stub.Release(pb.ReleaseRequest(request_id="r", reservation=res), timeout=5)).released
+
+
+# -- the bulk TCP path (decode_svc/bulk_receiver.py) -------------------------------------------
+async def bulk_reserve(stub, env: Env, p: Prompt) -> tuple[pb.Reservation, str]:
+    resp = await stub.Reserve(pb.ReserveRequest(
+        request_id=f"req-{uuid.uuid4().hex[:8]}", prompt_tokens=len(p.ids), max_tokens=MAX_TOKENS,
+        deadline_unix_ms=_deadline_ms(30), token_digest=p.digest, model_fingerprint=env.adapter.model_fingerprint),
+        timeout=5)
+    assert resp.bulk_address, "decode workers offer the bulk KV path by default"
+    return resp.reservation, resp.bulk_address
+
+
+def as_bulk(msgs: list[pb.KVChunk]) -> list[tuple[pb.KVChunk, bytes]]:
+    out = []
+    for m in msgs:
+        header = pb.KVChunk()
+        header.CopyFrom(m)
+        payload = header.payload
+        header.ClearField("payload")
+        header.payload_bytes = len(payload)
+        out.append((header, payload))
+    return out
+
+
+async def test_bulk_path_handoff_with_duplicates_decodes_exactly(env, stub) -> None:
+    from prefill_svc.kv_sender import KVSender
+    from runtime.faults import FaultInjector
+
+    p = env.prompt(3)
+    reservation, bulk = await bulk_reserve(stub, env, p)
+    frames = as_bulk(kv_chunks(env, p, reservation, 5))
+    sender = KVSender(stub, 10, FaultInjector(""), bulk_address=bulk)
+    for header, payload in [frames[0], *frames]:  # chunk 0 twice
+        sender.put(header, payload)
+    sender.finish()
+    sender.start()
+    ack = await sender.wait()
+    assert (ack.state, ack.accepted, ack.duplicates) == ("SUCCESS", len(frames), 1)
+    tokens, finish, _ = await generate(stub, reservation)
+    assert tokens == p.expected and finish == p.finish
+
+
+async def test_bulk_path_malformed_stream_is_closed_and_nothing_lands(env, stub) -> None:
+    import struct
+
+    p = env.prompt(4)
+    reservation, bulk = await bulk_reserve(stub, env, p)
+    host, port = bulk.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(struct.pack("<I", 10_000_000))  # a header length no sender would use
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # the worker closed the stream
+    writer.close()
+    stats = await _stats(stub)
+    assert stats.pending_chunks == 0
+    # the reservation is still usable by a well-formed transfer
+    await push(stub, kv_chunks(env, p, reservation, 16))
+    tokens, _, _ = await generate(stub, reservation)
+    assert tokens == p.expected
