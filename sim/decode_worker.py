@@ -1,0 +1,305 @@
+"""One decode worker: continuous batching with a slot limit, plus optional local prefill.
+
+Lifecycle of a sequence on this worker, as queues:
+
+    remote:  prealloc (waiting for a slot) -> reserved (KV in flight) -> pending
+             (KV landed, waits for the next step boundary) -> running -> finished
+    local:   local_q -> prefilling (holds a slot; stalls the batch) -> running -> finished
+
+Invariants:
+- membership changes only at step boundaries; between two boundaries all running
+  sequences advance one token per step of ``step_base + step_slope x batch`` ms,
+  so a sequence joining at step counter ``s`` with ``n`` tokens to make leaves at
+  ``s + n``. The worker therefore schedules one event per membership change, not
+  one per step.
+- ``running + reserved + prefilling <= slots`` (and KV tokens <= ``kv_tokens``).
+- a whole-prompt local prefill runs between two steps and stalls every running
+  sequence: their next gap is ``prefill + step``. After one, at least one decode
+  step runs before the next prefill (prefill and decode alternate). A chunked
+  local prefill instead fuses one chunk into each step: gap ``chunk + step``.
+- ITL: every inter-token gap is counted in ``hist`` (gap in 1/100 ms -> count); a request's
+  ITL SLO holds when no gap it saw exceeded ``itl_slo_ms``, tracked with the
+  ``breach`` counter (a request snapshots it on joining and compares on leaving).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Any
+
+from runtime.placement_policy import DecodeWorkerLoad
+from sim.events import EventQueue
+
+IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
+
+
+class DecodeWorker:
+    __slots__ = (
+        "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
+        "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
+        "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
+        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "_snap",
+    )
+
+    def __init__(
+        self, index: int, events: EventQueue, host: Any, *, slots: int, kv_tokens: int | None,
+        step_base_ms: float, step_ms_per_seq: float, itl_slo_ms: float, hist: dict[int, int], accepts_local: bool,
+    ) -> None:
+        self.index, self.name = index, f"decode-{index}"
+        self._events, self._host = events, host
+        self.slots, self.kv_cap, self.kv_used = slots, kv_tokens, 0
+        self.base, self.slope, self.slo, self.hist = step_base_ms, step_ms_per_seq, itl_slo_ms, hist
+        self.accepts_local = accepts_local
+        self.mode, self.version, self.next_t = IDLE, 0, math.inf
+        self.t0, self.d, self.steps = 0.0, 0.0, 0
+        self.running: list[tuple[int, int, Any]] = []  # heap of (finish step, rid, req)
+        self.reserved = 0
+        self.prealloc: deque[Any] = deque()
+        self.pending: list[Any] = []
+        self.fresh: list[Any] = []  # joined remotely, first token not yet out
+        self.joined_local: list[Any] = []  # joined after a whole local prefill, before the next step
+        self.local_q: deque[Any] = deque()
+        self.local_backlog = 0.0
+        self.local_active: Any = None
+        self.just_prefilled = False
+        self.stall_extra, self.stall_n = 0.0, 0
+        self.breach = 0
+        self.busy_ms, self._busy_since = 0.0, 0.0
+        self._snap: DecodeWorkerLoad | None = None
+
+    # ---- capacity ------------------------------------------------------------------
+
+    def _fits(self, req: Any) -> bool:
+        used = len(self.running) + self.reserved + (self.local_active is not None)
+        return used < self.slots and (self.kv_cap is None or self.kv_used + req.kv_need <= self.kv_cap)
+
+    def free_slots(self) -> int:
+        """Slots not running, reserved, prefilling or promised to queued requests."""
+        used = len(self.running) + self.reserved + (self.local_active is not None)
+        return max(0, self.slots - used - len(self.prealloc) - len(self.local_q))
+
+    # ---- remote path ---------------------------------------------------------------
+
+    def reserve(self, req: Any, now: float) -> None:
+        """Ask for a slot; ``host.reservation_granted(req, now)`` fires when it is held."""
+        if not self.prealloc and self._fits(req):
+            self._grant(req, now)
+        else:
+            self.prealloc.append(req)
+
+    def _grant(self, req: Any, now: float) -> None:
+        self.reserved += 1
+        self.kv_used += req.kv_need
+        self._host.reservation_granted(req, now)
+
+    def _grant_waiting(self, now: float) -> None:
+        queue = self.prealloc
+        while queue and self._fits(queue[0]):
+            self._grant(queue.popleft(), now)
+
+    def release(self, req: Any, now: float) -> None:
+        """Give back a granted reservation (transfer failed or request moved)."""
+        self.reserved -= 1
+        self.kv_used -= req.kv_need
+        self._grant_waiting(now)
+        if self.local_q:
+            self.wake(now)
+
+    def land(self, req: Any, now: float) -> None:
+        """The request's KV is here: it joins the batch at the next step boundary."""
+        self.pending.append(req)
+        self.wake(now)
+
+    # ---- local path ----------------------------------------------------------------
+
+    def submit_local(self, req: Any, now: float) -> None:
+        """Queue a colocated request (``req.prefill_ms``, ``req.local_chunks``) for local prefill."""
+        self.local_q.append(req)
+        self.local_backlog += req.prefill_ms
+        self.wake(now)
+
+    # ---- scheduling ----------------------------------------------------------------
+
+    def wake(self, now: float) -> None:
+        """New work arrived: start now if idle, else make sure we stop at the next boundary."""
+        if self.mode == IDLE:
+            self._busy_since = now
+            self._boundary(now)
+        elif self.mode == STEPPING:
+            tb = self.t0 + math.ceil((now - self.t0) / self.d - 1e-9) * self.d
+            if tb < self.next_t - 1e-9:
+                self._schedule(tb)
+
+    def _schedule(self, t: float) -> None:
+        self.version += 1
+        self.next_t = t
+        self._events.at(t, self._on_event, self.version)
+
+    def _on_event(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        if self.mode == STEPPING:
+            self._advance(now)
+        elif self.mode == PREFILL:
+            self._local_done(now)
+        else:  # CHUNK: one chunk (+ one decode step when the batch is not empty) finished
+            if self.running:
+                self._advance(now)
+            req = self.local_active
+            req.chunk_i += 1
+            if req.chunk_i < len(req.local_chunks):
+                if self.pending:
+                    self._join_pending()
+                self._start_chunk(now)
+                return
+            self._local_done(now)
+            self.just_prefilled = False  # chunks already interleaved with steps
+        self._boundary(now)
+
+    def _boundary(self, now: float) -> None:
+        """At a step boundary with nothing computing: admit, then prefill or step or idle."""
+        if self.pending:
+            self._join_pending()
+        queue = self.local_q
+        if queue and (not self.just_prefilled or not self.running) and self._fits(queue[0]):
+            self._start_local(queue.popleft(), now)
+            return
+        if self.running:
+            self.mode = STEPPING
+            self.d = d = self.base + self.slope * len(self.running)
+            self.t0 = now
+            steps_to_next = 1 if queue and self._fits(queue[0]) else self.running[0][0] - self.steps
+            self._schedule(now + steps_to_next * d)
+        else:
+            self.mode = IDLE
+            self.version += 1
+            self.next_t = math.inf
+            self.busy_ms += now - self._busy_since
+
+    def _join_pending(self) -> None:
+        for req in self.pending:
+            heapq.heappush(self.running, (self.steps + req.decode_tokens, req.rid, req))
+            req.breach_base = self.breach
+            self.fresh.append(req)
+        self.reserved -= len(self.pending)
+        self.pending.clear()
+
+    def _start_local(self, req: Any, now: float) -> None:
+        self.local_backlog -= req.prefill_ms
+        if not self.local_q:
+            self.local_backlog = 0.0
+        self.local_active = req
+        self.kv_used += req.kv_need
+        self.joined_local.clear()  # earlier local joiners are plain residents from here on
+        self._host.local_prefill_started(req, now)
+        if req.local_chunks:
+            req.chunk_i = 0
+            self._start_chunk(now)
+        else:
+            self.mode = PREFILL
+            self.stall_extra, self.stall_n = req.prefill_ms, len(self.running) - len(self.fresh)
+            self._schedule(now + req.prefill_ms)
+
+    def _start_chunk(self, now: float) -> None:
+        chunk_ms = self.local_active.local_chunks[self.local_active.chunk_i]
+        self.mode = CHUNK
+        self.stall_extra, self.stall_n = chunk_ms, len(self.running) - len(self.fresh)
+        if self.running:
+            self.d = self.base + self.slope * len(self.running)
+            self.t0 = now + chunk_ms
+            self._schedule(now + chunk_ms + self.d)
+        else:
+            self._schedule(now + chunk_ms)
+
+    def _local_done(self, now: float) -> None:
+        req, self.local_active = self.local_active, None
+        self._host.first_token(req, now)
+        self.just_prefilled = True  # a decode step runs before the next whole prefill
+        if req.decode_tokens > 0:
+            heapq.heappush(self.running, (self.steps + req.decode_tokens, req.rid, req))
+            req.breach_base = self.breach
+            self.joined_local.append(req)
+        else:  # a one-token answer: the prefill made it, no gaps to judge
+            req.breach_base = self.breach
+            self.kv_used -= req.kv_need
+            self._host.finished(req, now, self)
+            self._grant_waiting(now)
+
+    def _advance(self, now: float) -> None:
+        """Account the steps since ``t0``: gaps, first tokens, breaches, completions."""
+        d = self.d
+        k = int((now - self.t0) / d + 0.5)
+        if k <= 0:
+            return
+        b, fresh, hist, slo = len(self.running), self.fresh, self.hist, self.slo
+        stalled = self.stall_n
+        if stalled:
+            gap = d + self.stall_extra
+            key = int(gap * 100.0 + 0.5)
+            hist[key] = hist.get(key, 0) + stalled
+            if gap > slo:
+                self.breach += 1
+                for r in fresh:
+                    r.breach_base += 1
+                for r in self.joined_local:
+                    r.breach_base += 1
+            self.stall_n = 0
+        self.stall_extra = 0.0
+        plain = b - len(fresh) - stalled + (k - 1) * b
+        if plain:
+            key = int(d * 100.0 + 0.5)
+            hist[key] = hist.get(key, 0) + plain
+            if d > slo:
+                self.breach += 1
+                if k == 1:
+                    for r in fresh:
+                        r.breach_base += 1
+        if fresh:
+            first = self.t0 + d
+            for r in fresh:
+                self._host.first_token(r, first)
+            fresh.clear()
+        self.joined_local.clear()
+        self.just_prefilled = False
+        self.steps += k
+        self.t0 = now
+        running = self.running
+        if running and running[0][0] <= self.steps:
+            while running and running[0][0] <= self.steps:
+                req = heapq.heappop(running)[2]
+                self.kv_used -= req.kv_need
+                self._host.finished(req, now, self)
+            self._grant_waiting(now)
+
+    # ---- observation ---------------------------------------------------------------
+
+    def busy_until(self, end: float) -> float:
+        return self.busy_ms + (end - self._busy_since if self.mode != IDLE else 0.0)
+
+    def load(self, now: float) -> DecodeWorkerLoad:
+        """The snapshot the placement policy sees (what a decode worker would report)."""
+        running = len(self.running)
+        used = running + self.reserved + (self.local_active is not None)
+        free = self.slots - used - len(self.prealloc) - len(self.local_q)
+        free_blocks = None if self.kv_cap is None else self.kv_cap - self.kv_used
+        if free > 0 and self.local_active is None and not self.local_q:  # the common, time-free case
+            snap = self._snap  # reuse the last snapshot when nothing it shows has changed
+            if snap is None or snap.running_seqs != running or snap.free_slots != free or snap.free_blocks != free_blocks:
+                snap = self._snap = DecodeWorkerLoad(self.name, running, free, free_blocks, 1, 0.0, 0.0, 0, self.accepts_local)
+            return snap
+        step = self.base + self.slope * max(running, 1)
+        queue_wait = self.local_backlog + len(self.local_q) * step if self.local_q else 0.0
+        if self.local_active is not None:
+            req = self.local_active
+            queue_wait += max(0.0, self.next_t - now)
+            if req.local_chunks:
+                queue_wait += sum(req.local_chunks[req.chunk_i + 1:]) + (len(req.local_chunks) - req.chunk_i - 1) * step
+        slot_wait = 0.0
+        if free <= 0 and running:
+            ahead = len(self.prealloc) + len(self.local_q)
+            fin = heapq.nsmallest(ahead + 1, self.running)[-1][0]
+            done = self.steps + ((now - self.t0) / self.d if self.mode == STEPPING else 0.0)
+            slot_wait = max(0.0, (fin - done) * step)
+        return DecodeWorkerLoad(self.name, running, max(free, 0), free_blocks, 1, queue_wait, slot_wait, 0, self.accepts_local)

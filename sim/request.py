@@ -1,0 +1,41 @@
+"""One simulated request: its shape, where it was placed, and its progress.
+
+A plain ``__slots__`` class (a million are created per benchmark run). The
+simulator owns every field; decode workers read ``rid``, ``kv_need``,
+``decode_tokens``, ``prefill_ms``, ``local_chunks`` and keep ``chunk_i`` and
+``breach_base`` (the worker's ITL-breach counter when the request joined).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.placement_policy import RequestShape
+from sim.workload import Arrival
+
+
+class SimRequest:
+    __slots__ = (
+        "rid", "arrival", "tokens", "output", "images", "cached", "kv_need", "deadline", "decode_tokens",
+        "prefill_ms", "local_chunks", "chunk_i", "breach_base", "worker", "reserved", "prefill_done",
+        "chunk_bytes", "chunks_ready", "chunks_sent", "flows", "landed", "resend_full", "attempts", "local",
+        "t_first", "t_mark", "t_reserve", "t_send",
+    )
+
+    def __init__(self, rid: int, spec: Arrival, ttft_slo_ms: float) -> None:
+        self.rid = rid
+        self.arrival, self.tokens, self.output, self.images, self.cached = spec
+        self.kv_need = self.tokens + self.output
+        self.deadline = self.arrival + ttft_slo_ms
+        self.decode_tokens = self.output
+        self.prefill_ms = 0.0
+        self.local_chunks: list[float] | None = None
+        self.chunk_i = self.breach_base = self.attempts = 0
+        self.worker: Any = None  # the DecodeWorker holding (or to hold) its KV
+        self.reserved = self.prefill_done = self.resend_full = self.local = False
+        self.chunk_bytes: list[int] | None = None
+        self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0
+        self.t_first = self.t_mark = self.t_reserve = self.t_send = 0.0
+
+    def shape(self) -> RequestShape:
+        return RequestShape(self.tokens, self.output, self.images, self.cached)

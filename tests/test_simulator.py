@@ -1,0 +1,342 @@
+"""The discrete-event simulator: each stage model, failures, the CLI, and the chapter's claims."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from runtime.service_times import GIB, ServiceTimes
+from sim import simulate_cli
+from sim.config import ConfigError, SimConfig
+from sim.distributions import DistributionError, fixed, parse_distribution
+from sim.report import summarize
+from sim.simulator import SimResult, simulate
+from sim.workload import Burst, RequestMix, Workload, WorkloadError, load_trace
+
+REMOTE_TTFT = 20 + 0.035 * 6000 + 12 + 6000 * 320 * 1024 * 1000 / (22 * GIB) + 45  # 370.23 ms
+
+
+def run(placement: str, trace: list[tuple[float, int, int, int, int]], **settings: object) -> SimResult:
+    settings = {"prefill_workers": 1, "decode_workers": 1, **settings}
+    return simulate(SimConfig(placement=placement, **settings), Workload(trace=tuple(trace)))  # type: ignore[arg-type]
+
+
+def gaps(result: SimResult) -> dict[float, int]:
+    return {key / 100: n for key, n in sorted(result.metrics.itl_hist.items())}
+
+
+# ---- single requests: each stage in isolation ---------------------------------------
+
+
+def test_remote_request_on_an_idle_pipeline() -> None:
+    r = run("disaggregated", [(0.0, 6000, 400, 0, 0)])
+    assert r.metrics.ttft_ms == [pytest.approx(REMOTE_TTFT)]
+    assert gaps(r) == {45.0: 399}  # 400 tokens from decode, 45 ms apart
+    assert r.horizon_ms == pytest.approx(REMOTE_TTFT + 399 * 45)
+    report = summarize(r)
+    assert report["transferred_bytes"] == 6000 * 320 * 1024
+    assert report["goodput_fraction"] == 1.0
+
+
+def test_chunked_transfer_overlaps_prefill() -> None:
+    r = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000)
+    assert r.metrics.ttft_ms == [pytest.approx(314.7, abs=0.1)]
+
+
+def test_colocated_request_on_an_idle_worker() -> None:
+    r = run("colocated", [(0.0, 6000, 400, 0, 0)])
+    assert r.metrics.ttft_ms == [pytest.approx(230.0)]
+    assert gaps(r) == {45.0: 399}
+    assert summarize(r)["transferred_bytes"] == 0
+
+
+def test_one_token_answers() -> None:
+    assert run("colocated", [(0.0, 100, 1, 0, 0)]).metrics.good == 1
+    assert run("disaggregated", [(0.0, 100, 1, 0, 0)]).metrics.good == 1
+
+
+def test_decode_step_grows_with_the_batch() -> None:
+    service = ServiceTimes(decode_step_base_ms=20.0, decode_step_ms_per_seq=1.0)
+    r = run("disaggregated", [(0.0, 100, 50, 0, 0), (0.0, 100, 50, 0, 0)], service=service, decode_workers=1)
+    assert max(gaps(r)) == pytest.approx(22.0)  # both running: 20 + 2 x 1 ms
+
+
+def test_joins_wait_for_the_next_step_boundary() -> None:
+    # the second request's KV lands mid-step; it joins at the boundary, then one step
+    r = run("disaggregated", [(0.0, 100, 100, 0, 0), (20.0, 100, 100, 0, 0)], prefill_workers=2)
+    first, second = r.metrics.ttft_ms
+    landed = 20.0 + 20 + 0.035 * 100 + 12 + 100 * 320 * 1024 * 1000 / (22 * GIB)
+    boundary_wait = (first + 0.0 - 45.0 - landed) % 45.0  # time from landing to the boundary
+    assert second == pytest.approx(landed - 20.0 + boundary_wait + 45.0)
+
+
+# ---- interference, slots, link ------------------------------------------------------
+
+
+def test_colocated_prefill_stalls_every_neighbour() -> None:
+    trace = [(0.0, 100, 300, 0, 0), (100.0, 100, 300, 0, 0), (3000.0, 6000, 10, 0, 0)]
+    r = run("colocated", trace, prefill_workers=0)
+    stalled = {g: n for g, n in gaps(r).items() if g > 150}
+    assert stalled == {275.0: 2}  # 230 ms prefill + one step, once for each neighbour
+    assert r.metrics.itl_ok == 1  # only the long request itself kept its ITL SLO
+
+
+def test_chunked_local_prefill_softens_the_stall() -> None:
+    trace = [(0.0, 100, 300, 0, 0), (100.0, 100, 300, 0, 0), (3000.0, 6000, 10, 0, 0)]
+    r = run("colocated", trace, prefill_workers=0, chunked_prefill=True, local_chunk_tokens=2000)
+    assert max(gaps(r)) == pytest.approx(45 + 90.0)  # first chunk carries the fixed 20 ms
+    assert r.metrics.good == 3
+
+
+def test_slot_limit_queues_reservations() -> None:
+    service = ServiceTimes(decode_slots=2)
+    r = run("disaggregated", [(0.0, 100, 200, 0, 0)] * 3, service=service, prefill_workers=3)
+    report = summarize(r, series=False)
+    assert report["stage_wait_ms"]["kv_reservation"] > 0  # the third waits for a slot
+    assert report["completed"] == 3
+    assert max(r.metrics.ttft_ms) > 200 * 45  # ... until the first two finish
+
+
+def test_link_is_a_fifo_resource_or_a_shared_pipe() -> None:
+    trace = [(0.0, 6000, 5, 0, 0), (0.0, 6000, 5, 0, 0)]
+    payload = 6000 * 320 * 1024 * 1000 / (22 * GIB)
+    fifo = run("disaggregated", trace, prefill_workers=2, decode_workers=2)
+    first, second = 230 + 12 + payload + 45, 230 + 12 + 2 * payload + 45
+    assert sorted(fifo.metrics.ttft_ms) == [pytest.approx(first), pytest.approx(second)]
+    shared = run("disaggregated", trace, prefill_workers=2, decode_workers=2, link_concurrency=0)
+    assert shared.metrics.ttft_ms == [pytest.approx(230 + 12 + 2 * payload + 45)] * 2
+    two_pipes = run("disaggregated", trace, prefill_workers=2, decode_workers=2, kv_links=2)
+    assert two_pipes.metrics.ttft_ms == [pytest.approx(REMOTE_TTFT)] * 2
+
+
+def test_encoder_stage_and_cache_hits() -> None:
+    cold = run("colocated", [(0.0, 1000, 5, 2, 0)])
+    warm = run("colocated", [(0.0, 1000, 5, 2, 2)])
+    prefill = 20 + 0.035 * 1000
+    assert cold.metrics.ttft_ms == [pytest.approx(10 + 2 * 40 + prefill)]
+    assert warm.metrics.ttft_ms == [pytest.approx(2 * 1 + prefill)]
+
+
+# ---- failures ------------------------------------------------------------------------
+
+
+def _conserved(result: SimResult) -> None:
+    m = result.metrics
+    assert m.completed + m.failed + m.rejected == m.arrived
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_transfer_failures_are_handled_and_cleaned_up(held: bool) -> None:
+    config = SimConfig(
+        placement="disaggregated", prefill_workers=2, decode_workers=2, failure_prob=0.4,
+        reservation_held_on_failure=held, ttft_slo_ms=2000,
+    )
+    result = simulate(config, Workload(RequestMix(fixed(2000), fixed(20)), rate=2.0, requests=150, seed=3))
+    _conserved(result)
+    report = summarize(result, series=False)
+    assert report["transfer_failures"] > 20
+    actions = report["failure_actions"]
+    assert sum(actions.values()) == report["transfer_failures"]
+    assert report["cleanups"]["partial_transfer"] == report["transfer_failures"]
+    assert actions.get("retry" if held else "other_decode", 0) > 0
+    assert "retry" not in actions or held  # a released reservation is never retried into
+    released = actions.get("fail", 0) + actions.get("other_decode", 0) + actions.get("reprefill", 0)
+    assert report["cleanups"].get("reservation", 0) == (report["transfer_failures"] if not held else released)
+
+
+def test_reprefill_when_the_only_decode_worker_was_released() -> None:
+    config = SimConfig(
+        placement="disaggregated", decode_workers=1, failure_prob=0.5, reservation_held_on_failure=False, ttft_slo_ms=5000
+    )
+    result = simulate(config, Workload(RequestMix(fixed(1000), fixed(10)), rate=1.0, requests=60, seed=1))
+    _conserved(result)
+    assert result.metrics.failure_actions["reprefill"] > 0
+
+
+def test_attempts_are_bounded() -> None:
+    config = SimConfig(placement="disaggregated", failure_prob=0.9, max_transfer_attempts=2, ttft_slo_ms=60_000)
+    result = simulate(config, Workload(RequestMix(fixed(500), fixed(5)), rate=1.0, requests=40, seed=2))
+    _conserved(result)
+    assert result.metrics.failed > 0
+    assert result.metrics.transfers <= 2 * 40
+
+
+def test_admission_refuses_hopeless_requests() -> None:
+    config = SimConfig(placement="disaggregated", admission=True)
+    result = simulate(config, Workload(RequestMix(fixed(6000), fixed(50)), rate=20.0, requests=200, seed=0))
+    _conserved(result)
+    assert result.metrics.rejections["ttft_deadline"] > 0
+    assert summarize(result, series=False)["ttft_ms_p99"] < 900
+
+
+# ---- reports -------------------------------------------------------------------------
+
+
+def test_report_has_queues_idle_fractions_and_percentiles() -> None:
+    result = simulate(SimConfig(), Workload(rate=2.0, requests=100, seed=0))
+    report = summarize(result)
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "goodput_rps", "transferred_bytes"):
+        assert report[key] is not None
+    assert report["ttft_ms_p50"] <= report["ttft_ms_p99"]
+    assert set(report["idle_fraction"]) == {"encoder", "prefill", "decode", "link"}
+    assert report["idle_fraction"]["encoder"] == 1.0  # no images in this mix
+    assert 0.0 < report["idle_fraction"]["prefill"] < 1.0
+    series = report["queue_depth"]["decode_running"]["series"]
+    assert len(series) > 10 and series[0][0] == 0.0
+    assert report["goodput_rps"] <= report["throughput_rps"]
+
+
+def test_runs_are_deterministic_per_seed() -> None:
+    def once(seed: int) -> dict:
+        config = SimConfig(placement="conditional", failure_prob=0.1, seed=seed)
+        return summarize(simulate(config, Workload(rate=2.0, requests=80, seed=seed)), series=False)
+
+    assert once(5) == once(5)
+    assert once(5) != once(6)
+
+
+# ---- the design chapter's qualitative claims ---------------------------------------
+
+
+def compare(
+    mix: RequestMix, rate: float, requests: int, bursts: tuple[Burst, ...], prefill: int, decode: int
+) -> dict[str, dict]:
+    """The same workload under the three placements, on the same hardware budget."""
+    workload = Workload(mix, rate=rate, requests=requests, bursts=bursts, seed=7)
+    results = {}
+    for placement in ("colocated", "disaggregated", "conditional"):
+        config = SimConfig(placement=placement, prefill_workers=prefill, decode_workers=decode)
+        results[placement] = summarize(simulate(config, workload), series=False)
+    return results
+
+
+LOW_LOAD = (RequestMix(fixed(6000), fixed(100)), 0.2, 150, (), 1, 1)
+LOW_LOAD_MIXED = (RequestMix(parse_distribution("mix:500@0.5,6000@0.5"), fixed(200)), 0.3, 150, (), 1, 1)
+# active decoders (short prompts, long outputs), then a burst of 40 long prompts
+BURST = (RequestMix(fixed(200), fixed(300)), 10.0, 60, (Burst(7.0, 40, 6000, 50, 1.0),), 2, 4)
+VARIED = RequestMix(parse_distribution("uniform:100:400"), parse_distribution("uniform:200:500"))
+STEADY_MIX = (VARIED, 3.0, 300, (Burst(30.0, 30, 6000, 50, 1.0),), 1, 3)
+
+
+def test_low_load_colocated_has_the_lower_ttft() -> None:
+    results = compare(*LOW_LOAD)
+    assert results["colocated"]["ttft_ms_p50"] == pytest.approx(230.0)
+    assert results["colocated"]["ttft_ms_p50"] < results["disaggregated"]["ttft_ms_p50"] - 100
+
+
+def test_burst_of_long_prompts_beside_decoders_disaggregated_has_lower_itl_p99() -> None:
+    results = compare(*BURST)
+    colocated, remote = results["colocated"], results["disaggregated"]
+    assert colocated["itl_ms_p99"] >= 230.0  # the stall is in the tail
+    assert remote["itl_ms_p99"] == pytest.approx(45.0)
+    assert remote["goodput_fraction"] > colocated["goodput_fraction"]
+
+
+@pytest.mark.parametrize(
+    "scenario", [LOW_LOAD, LOW_LOAD_MIXED, BURST, STEADY_MIX], ids=["low", "low_mixed", "burst", "steady_mix"]
+)
+def test_conditional_is_never_much_worse_than_the_better_of_the_two(scenario: tuple) -> None:
+    results = compare(*scenario)
+    best = max(results["colocated"]["goodput_fraction"], results["disaggregated"]["goodput_fraction"])
+    assert results["conditional"]["goodput_fraction"] >= best - 0.05
+    assert results["conditional"]["placement_reasons"]  # every decision recorded with a reason
+
+
+# ---- workload and CLI ----------------------------------------------------------------
+
+
+def test_distributions() -> None:
+    rng = random.Random(0)
+    assert parse_distribution("6000").sampler(rng)() == 6000
+    sample = parse_distribution("uniform:10:20").sampler(rng)
+    assert all(10 <= sample() <= 20 for _ in range(100))
+    mix = parse_distribution("mix:500@0.8,6000@0.2")
+    assert mix.mean() == pytest.approx(1600.0)
+    draws = [mix.sampler(rng)() for _ in range(2000)]
+    assert set(draws) == {500, 6000} and 0.15 < draws.count(6000) / 2000 < 0.25
+    for spec in ("lognormal:1000:0.5", "normal:100:30", "exp:50"):
+        draw = parse_distribution(spec).sampler(rng)
+        assert all(draw() >= 1 for _ in range(100))
+    for bad in ("uniform:5", "nope:1", "mix:", "uniform:20:10", "abc"):
+        with pytest.raises(DistributionError):
+            parse_distribution(bad)
+
+
+def test_bursts_and_traces(tmp_path) -> None:
+    assert Burst.parse("30:40:6000:50") == Burst(30.0, 40, 6000, 50)
+    with pytest.raises(WorkloadError):
+        Burst.parse("30")
+    path = tmp_path / "trace.jsonl"
+    rows = [{"t_s": 1.0, "prompt_tokens": 100, "output_tokens": 5}, {"t_s": 0.5, "prompt_tokens": 50, "output_tokens": 3, "images": 1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_trace(path, image_tokens=10) == ((500.0, 60, 3, 1, 0), (1000.0, 100, 5, 0, 0))
+    csv_path = tmp_path / "trace.csv"
+    csv_path.write_text("t_s,prompt_tokens,output_tokens\n0,10,2\n")
+    assert load_trace(csv_path) == ((0.0, 10, 2, 0, 0),)
+    with pytest.raises(WorkloadError):
+        load_trace(tmp_path / "none.jsonl")
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError):
+        SimConfig(placement="sideways")
+    with pytest.raises(ConfigError):
+        SimConfig(placement="disaggregated", prefill_workers=0)
+    with pytest.raises(ConfigError):
+        SimConfig(failure_prob=1.0)
+
+
+def test_cli_worked_example_json(capsys) -> None:
+    assert simulate_cli.main(["--worked-example", "--json"]) == 0
+    example = json.loads(capsys.readouterr().out)
+    assert example["prefill_ms"] == pytest.approx(230, abs=1)
+    assert example["kv_bytes"] / GIB == pytest.approx(1.83, abs=0.01)
+    assert example["transfer_ms"] == pytest.approx(95, abs=1)
+    assert example["remote_ttft_ms"] == pytest.approx(370, abs=1)
+    assert example["chunked_remote_ttft_ms"] == pytest.approx(315, abs=1)
+    assert example["prefill_rate_per_worker"] == pytest.approx(4.3, abs=0.1)
+    assert example["decode_rate_per_worker"] == pytest.approx(1.8, abs=0.05)
+    assert example["decode_workers_per_prefill_worker_rounded"] == 2
+    assert example["placement_busy"] == "disaggregated" and example["placement_idle"] == "colocated"
+    assert (example["failure_action_reservation_held"], example["failure_action_reservation_released"]) == ("retry", "fail")
+
+
+def test_cli_worked_example_follows_the_service_flags(capsys) -> None:
+    assert simulate_cli.main(["--worked-example", "--json", "--prefill-ms-per-token", "0.07"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefill_ms"] == pytest.approx(440.0)
+
+
+def test_cli_single_placement_json_and_plots(tmp_path, capsys) -> None:
+    argv = ["--placement", "disaggregated", "--rate", "2", "--requests", "60", "--json", "--no-series"]
+    argv += ["--plot", str(tmp_path)]
+    assert simulate_cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["placement"] == "disaggregated" and len(doc["results"]) == 1
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "goodput_rps", "transferred_bytes"):
+        assert key in doc
+    assert set(doc["idle_fraction"]) == {"encoder", "prefill", "decode", "link"}
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["itl_cdf.png", "queue_depth_disaggregated.png", "ttft_cdf.png"]
+
+
+def test_cli_table_and_errors(capsys) -> None:
+    assert simulate_cli.main(["--rate", "2", "--requests", "40", "--burst", "5:5:6000"]) == 0
+    table = capsys.readouterr().out
+    assert "colocated" in table and "conditional" in table and "TTFT p50 / p99" in table
+    assert simulate_cli.main(["--placement", "nope"]) == 2
+    assert simulate_cli.main(["--prompt-tokens", "uniform:9"]) == 2
+
+
+def test_cli_reads_a_service_time_file(tmp_path, capsys) -> None:
+    from runtime import service_times as st
+
+    path = tmp_path / "times.json"
+    tables = st.MeasuredTables(prefill=tuple((t, 10.0 + 0.07 * t) for t in (500, 1000, 4000)))
+    st.save(path, st.ServiceTimesFile(ServiceTimes(decode_step_base_ms=30.0), tables, "test"))
+    assert simulate_cli.main(["--worked-example", "--json", "--service-times", str(path)]) == 0
+    example = json.loads(capsys.readouterr().out)
+    assert example["prefill_ms"] == pytest.approx(10.0 + 0.07 * 6000)  # fitted from the table
+    assert example["decode_step_ms"] == pytest.approx(30.0)  # from the file's params
+    assert simulate_cli.main(["--service-times", str(tmp_path / "missing.json")]) == 2
