@@ -37,7 +37,7 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
     servicer.start()
     servicer.address = await server.start()
     if settings.kv_transport == "bulk":
-        bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.record_transfer)
+        bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.stream_ended)
         port = await bulk.start(settings.host, settings.bulk_port)
         servicer.bulk_address = f"{servicer.address.rsplit(':', 1)[0]}:{port}"
         servicer.on_stop(bulk.stop)

@@ -122,11 +122,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
             blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address)
 
-    def record_transfer(self, res: Reservation) -> None:
-        """After a push stream ends (gRPC or bulk): a timing sample for the gateway's cost model."""
-        a = res.attempt
-        if a.state == TransferState.SUCCESS and a.first_chunk_at is not None and a.completed_at is not None:
-            self.timings.record("transfer", a.bytes_received, (a.completed_at - a.first_chunk_at) * 1000)
+    def stream_ended(self, res: Reservation) -> None:
+        """After a push stream ends (gRPC or bulk). No link-time sample is taken here: first chunk to
+        verified includes waiting for prefill to compute later chunks; the sender times each chunk."""
 
     async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:
         res = self.table.rearm(request.reservation.reservation_id)
@@ -155,7 +153,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         state = ""
         if last is not None and (res := self.table.get(last.reservation.reservation_id)) is not None:
             state = res.attempt.state.name
-            self.record_transfer(res)
+            self.stream_ended(res)
         return pb.PushKVResponse(accepted=accepted, duplicates=duplicates, rejected=rejected, state=state, detail=detail)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:

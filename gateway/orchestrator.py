@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
@@ -60,9 +61,10 @@ class TransferFailed(Exception):
     """A handoff attempt failed. ``stream`` is the attempt's decode stream, still open so the
     reservation stays held until the gateway has decided (re-arm keeps it, release frees it)."""
 
-    def __init__(self, detail: str, worker_lost: str | None = None, stream=None):
+    def __init__(self, detail: str, worker_lost: str | None = None, stream=None, decode_lost: bool = False):
         super().__init__(detail)
-        self.worker_lost = worker_lost
+        self.worker_lost = worker_lost      # a prefill worker that stopped answering
+        self.decode_lost = decode_lost      # the decode worker itself stopped answering
         self.stream = stream
 
 
@@ -238,10 +240,18 @@ class Orchestrator:
                     m.KV_TRANSFER_FAILED.inc()
                     if failure.worker_lost:
                         self.registry.mark_unhealthy("prefill", failure.worker_lost)
+                    if not failure.decode_lost:
+                        failure.decode_lost = not await self._alive(decode)
+                    if failure.decode_lost:
+                        self.registry.mark_unhealthy("decode", decode.address)
                     others = [h for h in self.registry.healthy("decode") if h.address != decode.address]
                     free_prefill = [h for h in self.registry.healthy("prefill") if prefill is None or h.address != prefill.address]
-                    action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, True, attempts, shape,
-                                                 self.cost_model, bool(others), bool(free_prefill))
+                    action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, not failure.decode_lost,
+                                                 attempts, shape, self.cost_model, bool(others), bool(free_prefill))
+                    if failure.decode_lost and action.kind in ("retry", "reprefill"):
+                        # its blocks died with it: the only way on is another decode worker
+                        action = replace(action, kind="other_decode" if others else "fail",
+                                         reason="decode_worker_lost" if others else "decode_worker_lost_no_other")
                     m.FAILURE_ACTIONS.labels(action.kind).inc()
                     log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",
                                 job.request_id, attempts, failure, action.kind, action.reason)
@@ -278,6 +288,14 @@ class Orchestrator:
         finally:
             await self._release(decode, reservation, job, "request ended")
             decode.inflight -= 1
+
+    async def _alive(self, h: WorkerHandle) -> bool:
+        """A quick probe after a failed handoff: is the decode worker itself still there?"""
+        try:
+            await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample), timeout=1.0)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
 
     @staticmethod
     def _close_stream(stream) -> None:
@@ -330,6 +348,9 @@ class Orchestrator:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED and not colocated:
                     raise TransferFailed(f"decode: {exc.details()}", None, stream) from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # before the first token: the request can move
+                    raise TransferFailed(f"decode worker {decode.address} lost: {exc.details()}", None, stream,
+                                         decode_lost=True) from None
                 raise
             except StopAsyncIteration:
                 raise BackendFailure("decode stream ended without a token", 502) from None

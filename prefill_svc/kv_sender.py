@@ -20,6 +20,7 @@ import grpc
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.faults import FaultInjector
+from runtime.timing_log import TimingLog
 
 
 class TransferBroken(RuntimeError):
@@ -31,8 +32,10 @@ _LEN = struct.Struct("<I")
 
 
 class KVSender:
-    def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector, bulk_address: str = ""):
+    def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector, bulk_address: str = "",
+                 timings: TimingLog | None = None):
         self._stub = stub
+        self._timings = timings   # link-time samples (bytes, ms) per chunk, bulk path only
         self._bulk_address = bulk_address
         self._timeout_s = timeout_s
         self._faults = faults
@@ -126,8 +129,11 @@ class KVSender:
             await loop.sock_connect(sock, (host, int(port)))
             async for chunk, payload in self._chunks():
                 header = chunk.SerializeToString()
+                started = time.perf_counter()
                 await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
                 await loop.sock_sendall(sock, payload)
+                if self._timings is not None:  # the link's own time for this chunk, no compute waits in it
+                    self._timings.record("transfer", len(payload), (time.perf_counter() - started) * 1000)
             await loop.sock_sendall(sock, _LEN.pack(0))
             size = _LEN.unpack(await self._recv_exactly(loop, sock, 4))[0]
             return pb.PushKVResponse.FromString(await self._recv_exactly(loop, sock, size))

@@ -77,7 +77,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults,
-                              bulk_address=request.decode_bulk_address)
+                              bulk_address=request.decode_bulk_address, timings=self.scheduler.timings)
             job = PrefillJob(
                 request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
                 chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, reservation=request.reservation,
@@ -94,7 +94,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             except TransferBroken as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             transfer_ms = ((sender.done_at or time.monotonic()) - (sender.first_send_at or started)) * 1000
-            self.scheduler.timings.record("transfer", sender.bytes_sent, transfer_ms)
             return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent,
                                       prefill_ms=job.compute_ms, transfer_ms=transfer_ms, decode_state=ack.state)
         finally:

@@ -238,6 +238,8 @@ async def test_decode_killed_mid_request_is_routed_around_and_taken_back(workers
 
         outcome, text, secs = await asyncio.wait_for(task, DEADLINE_S + MARGIN_S)
         assert_clean(outcome, text, secs, answer)
+        # before its first token the request moves: re-reserved and re-prefilled on the surviving decode worker
+        assert (outcome, text) == ("ok", answer)
 
         # the gateway routes around the dead worker ...
         await until(lambda: victim_addr not in healthy_addresses(orch, "decode"), 2.0, "the killed worker marked unhealthy")
