@@ -69,6 +69,13 @@ class ChatBackend(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def backlog_ms(self) -> float:
+        """Expected wait before a new request's first token from the work already admitted.
+
+        Checked before the body is even read, so an overloaded gateway sheds with a
+        cheap 429 instead of spending its CPU parsing requests it will refuse."""
+        ...
+
 
 class AdmissionRefused(Exception):
     """The request was refused before any work; the client may retry after ``retry_after_s``."""

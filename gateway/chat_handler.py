@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from runtime.sampling import SamplingParams
 
-from .chat_backend import ChatBackend, ChatJob, PreparedImage, TokenEvent
+from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
@@ -182,6 +182,7 @@ class ChatHandler:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request.state.request_id = request_id
         try:
+            self._shed_if_backlogged(request)
             chat = await self.parse(request)
             job = await self.build_job(request, chat, request_id, arrival_s)
             self.metrics.prompt_tokens.inc(len(job.token_ids))
@@ -208,6 +209,14 @@ class ChatHandler:
                 raise
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
+
+    def _shed_if_backlogged(self, request: Request) -> None:
+        """Refuse before reading the body when the admitted backlog alone already misses the deadline."""
+        ttft_slo_ms = parse_slo_header(request.headers.get(TTFT_HEADER), self.settings.ttft_slo_ms, TTFT_HEADER)
+        backlog_ms = self.backend.backlog_ms()
+        if backlog_ms > ttft_slo_ms:
+            raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
+                                   backlog_ms / 1000.0)
 
     def _count_failure(self, exc: BaseException) -> ApiError | None:
         """Count a failed request by reason; return its ``ApiError``, or ``None`` for a bug (500)."""

@@ -45,6 +45,7 @@ from runtime.wire import sampling_to_pb, token_digest
 
 from . import gateway_metrics as m
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
+from .pressure import FirstTokenPressure
 from .settings import GatewaySettings
 from .worker_registry import WorkerHandle, WorkerRegistry
 
@@ -79,6 +80,7 @@ class Orchestrator:
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
         self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe)
         self.chunk_tokens = settings.prefill_chunk_tokens
+        self.pressure = FirstTokenPressure()
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -91,6 +93,9 @@ class Orchestrator:
         r = self.registry
         prefill_ok = bool(r.healthy("prefill")) or not r.workers["prefill"]
         return bool(r.healthy("encoder")) and bool(r.healthy("decode")) and prefill_ok
+
+    def backlog_ms(self) -> float:
+        return self.pressure.wait_ms()
 
     def status(self) -> dict:
         return {**self.registry.status(), "placement_mode": self.settings.placement,
@@ -144,28 +149,42 @@ class Orchestrator:
             status = 503 if admission.reason == "no_decode_workers" else 429
             raise AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s)
         decision = admission.decision
+        backlog_ms = self.pressure.wait_ms()
+        if decision.estimates["ttft_ms"] + backlog_ms > remaining_ms:
+            m.ADMISSION_REJECTED.labels("pipeline_backlog").inc()
+            raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
+                                   max(1.0, backlog_ms / 1000.0))
         m.PLACEMENT.labels(decision.placement, decision.reason).inc()
         breakdown["estimated_ttft_ms"] = decision.estimates.get("ttft_ms", 0.0)
-
-        if encoder is not None and n_cached < len(refs):
-            t0 = time.monotonic()
-            try:
-                resp = await encoder.stub.Encode(
-                    pb.EncodeRequest(request_id=job.request_id, images=refs, return_embeddings=False),
-                    timeout=self._left_s(job))
-            except grpc.aio.AioRpcError as exc:
-                raise self._rpc_failure("encoder", encoder, exc, job)
-            breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
-            breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
-        elif refs:
-            breakdown["encode_ms"] = 0.0
-            breakdown["images_cache_hit"] = float(len(refs))
-        digest = token_digest(job.token_ids, keys)
-        # aclosing: when the consumer closes us (disconnect, stop string), the placement's
-        # finally (release the reservation) runs now, not whenever the generator is collected
-        async with contextlib.aclosing(self._run_placement(job, shape, decision, refs, digest, breakdown)) as events:
-            async for event in events:
-                yield event
+        breakdown["backlog_ms"] = backlog_ms
+        self.pressure.admitted()
+        first = True
+        try:
+            if encoder is not None and n_cached < len(refs):
+                t0 = time.monotonic()
+                try:
+                    resp = await encoder.stub.Encode(
+                        pb.EncodeRequest(request_id=job.request_id, images=refs, return_embeddings=False),
+                        timeout=self._left_s(job))
+                except grpc.aio.AioRpcError as exc:
+                    raise self._rpc_failure("encoder", encoder, exc, job)
+                breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
+                breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
+            elif refs:
+                breakdown["encode_ms"] = 0.0
+                breakdown["images_cache_hit"] = float(len(refs))
+            digest = token_digest(job.token_ids, keys)
+            # aclosing: when the consumer closes us (disconnect, stop string), the placement's
+            # finally (release the reservation) runs now, not whenever the generator is collected
+            async with contextlib.aclosing(self._run_placement(job, shape, decision, refs, digest, breakdown)) as events:
+                async for event in events:
+                    if first:
+                        first = False
+                        self.pressure.left(got_first_token=True)
+                    yield event
+        finally:
+            if first:
+                self.pressure.left(got_first_token=False)
 
     async def _image_refs(self, job: ChatJob):
         if not job.images:
@@ -215,9 +234,11 @@ class Orchestrator:
     async def _release(self, h: WorkerHandle, reservation: pb.Reservation | None, job: ChatJob, reason: str) -> None:
         if reservation is None:
             return
+        # shielded: a cancelled request (client gone) must still free its blocks now, not at lease expiry
+        release = asyncio.ensure_future(h.stub.Release(
+            pb.ReleaseRequest(request_id=job.request_id, reservation=reservation, reason=reason), timeout=2.0))
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await h.stub.Release(pb.ReleaseRequest(request_id=job.request_id, reservation=reservation, reason=reason),
-                                 timeout=2.0)
+            await asyncio.shield(release)
 
     async def _run_placement(self, job: ChatJob, shape: RequestShape, decision: PlacementDecision,
                              refs: list[pb.ImageRef], digest: str, breakdown: dict[str, float]) -> AsyncIterator[TokenEvent]:

@@ -97,6 +97,9 @@ class InProcessBackend:
     def healthy(self) -> bool:
         return self.is_healthy
 
+    def backlog_ms(self) -> float:
+        return 0.0
+
     def status(self) -> dict:
         return {"backend": "inprocess", "active": self.active, "free_blocks": self.pool.free_blocks,
                 "requests": len(self.jobs)}

@@ -1,0 +1,95 @@
+"""Bounded soak: overload the real stack at twice its measured capacity and check it sheds early.
+
+    python -m bench.soak [--requests 2000] [--overload 2.0] [--ttft-slo-ms 1500]
+
+1. start ``epd serve`` on the demo model (the gateway's TTFT SLO set by ``EPD_TTFT_SLO_MS``);
+2. measure capacity: closed loop, 16 concurrent image requests;
+3. soak: ``--requests`` Poisson arrivals at ``--overload`` x capacity;
+4. report: how many were refused early (429 with Retry-After) vs failed late (504/5xx),
+   the admitted requests' TTFT/ITL and goodput against the SLOs, the stack's resident
+   memory before and after, and ``/status`` leak counters (reservations, pending chunks).
+
+Writes ``bench/results/soak.json``. A measurement, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bench.compare_servers import ROOT, epd_serve, free_port, wait_http
+from bench.loadgen import BenchConfig, run_bench
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def stack_rss_mib(pid: int) -> float:
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+def leak_counters(base: str) -> dict[str, int]:
+    time.sleep(1.0)  # the gateway polls worker stats every 0.5 s
+    status = httpx.get(f"{base}/status", timeout=10, trust_env=False).json()
+    return {
+        "reservations_active": sum(w.get("reservations_active", 0) for w in status["decode"]),
+        "pending_chunks": sum(w.get("pending_chunks", 0) for w in status["decode"]),
+        "gateway_inflight": sum(w.get("inflight_from_gateway", 0) for role in ("encoder", "prefill", "decode")
+                                for w in status[role]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--overload", type=float, default=2.0)
+    p.add_argument("--ttft-slo-ms", type=float, default=1500.0)
+    p.add_argument("--itl-slo-ms", type=float, default=500.0)
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "demo-vlm")
+    args = p.parse_args(argv)
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    logs = Path(tempfile.mkdtemp(prefix="epd-soak-"))
+    server = epd_serve(args.model, port, logs / "serve.log", "epd")
+    server.env["EPD_TTFT_SLO_MS"] = str(args.ttft_slo_ms)
+    server.start()
+    try:
+        wait_http(f"{base}/health", [server])
+        run_bench(BenchConfig(base=base, requests=32, concurrency=8, progress=False))  # warm-up
+        capacity = run_bench(BenchConfig(base=base, requests=160, concurrency=16, image_pool=160, max_tokens=8,
+                                         progress=False))
+        rate = capacity["req_per_s"] * args.overload
+        rss_before = stack_rss_mib(server.proc.pid)
+        soak = run_bench(BenchConfig(base=base, requests=args.requests, rate=rate, image_pool=64, max_tokens=8,
+                                     ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, seed=7))
+        rss_after = stack_rss_mib(server.proc.pid)
+        leaks = leak_counters(base)
+    finally:
+        server.stop()
+    refused = soak["failed_by_status"].get("429", 0) + soak["failed_by_status"].get("503", 0)
+    late = sum(v for k, v in soak["failed_by_status"].items() if k not in ("429", "503"))
+    admitted_goodput_share = soak["goodput_req_per_s"] / soak["req_per_s"] if soak["req_per_s"] else None
+    report = {
+        "capacity_req_per_s": capacity["req_per_s"], "offered_req_per_s": rate, "requests": args.requests,
+        "ok": soak["ok"], "refused_early": refused, "failed_late": late, "failed_by_status": soak["failed_by_status"],
+        "admitted_ttft_ms_p50": soak["ttft_ms_p50"], "admitted_ttft_ms_p99": soak["ttft_ms_p99"],
+        "admitted_itl_ms_p99": soak["itl_ms_p99"], "goodput_req_per_s": soak["goodput_req_per_s"],
+        "admitted_meeting_slos": admitted_goodput_share, "answers_correct": soak["answers_correct"],
+        "answers_checked": soak["answers_checked"], "rss_mib_before": rss_before, "rss_mib_after": rss_after,
+        "leaks_after": leaks, "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "soak.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
