@@ -78,7 +78,8 @@ class Orchestrator:
         self.settings = settings
         self.cost_model = CostModel(prior=CPU_PRIOR, min_points=4)
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
-        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe)
+        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe,
+                                                   on_refresh=self._publish_queue_depths)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.pressure = FirstTokenPressure()
 
@@ -100,6 +101,11 @@ class Orchestrator:
     def status(self) -> dict:
         return {**self.registry.status(), "placement_mode": self.settings.placement,
                 "cost_model": self.cost_model.calibration()}
+
+    def _publish_queue_depths(self) -> None:
+        """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""
+        for role in ("encoder", "prefill", "decode"):
+            m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in self.registry.healthy(role) if h.stats))
 
     def _observe(self, role: str, s: pb.TimingSample) -> None:
         if s.kind == "prefill":

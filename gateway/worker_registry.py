@@ -67,13 +67,16 @@ class WorkerHandle:
 
 class WorkerRegistry:
     def __init__(self, static: dict[str, list[str]], redis_url: str | None, *, poll_s: float = 0.5,
-                 on_sample: Callable[[str, pb.TimingSample], None] | None = None):
+                 on_sample: Callable[[str, pb.TimingSample], None] | None = None,
+                 on_refresh: Callable[[], None] | None = None):
         self.workers: dict[str, dict[str, WorkerHandle]] = {role: {} for role in ROLES}
         self._static = static
         self._redis = aioredis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
         self.poll_s = poll_s
         self.on_sample = on_sample or (lambda role, s: None)
+        self.on_refresh = on_refresh or (lambda: None)
         self._task: asyncio.Task | None = None
+        self._closing = False
         # handles that left discovery while this gateway still had requests on them: their
         # channel stays open until those requests end (a draining worker deregisters first)
         self._leaving: list[WorkerHandle] = []
@@ -93,18 +96,20 @@ class WorkerRegistry:
         self._task = asyncio.create_task(self._loop(), name="worker-registry")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # bounded: a cancel that lands inside a redis-py call can be swallowed; the flag ends the loop
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._task, 5.0)
         for h in [*(h for handles in self.workers.values() for h in handles.values()), *self._leaving]:
             await h.channel.close()
         if self._redis is not None:
             with contextlib.suppress(Exception):
-                await self._redis.aclose()
+                await asyncio.wait_for(self._redis.aclose(), 2.0)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.poll_s)
             try:
                 await self.refresh()
@@ -129,6 +134,7 @@ class WorkerRegistry:
             self._leaving.remove(h)
             await h.channel.close()
         await asyncio.gather(*(self._poll(h) for handles in self.workers.values() for h in list(handles.values())))
+        self.on_refresh()
 
     async def _poll(self, h: WorkerHandle) -> None:
         try:

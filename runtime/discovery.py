@@ -31,13 +31,14 @@ class WorkerRegistration:
         self.key = worker_key(role, address)
         self.role, self.address, self.heartbeat_s = role, address, heartbeat_s
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def _beat_once(self) -> None:
         value = json.dumps({"role": self.role, "address": self.address, "ts": time.time()})
         await self._redis.set(self.key, value, px=int(self.heartbeat_s * 3000))
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._beat_once()
             except Exception as exc:  # Redis down: keep serving, keep trying
@@ -48,14 +49,16 @@ class WorkerRegistration:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Deregister. Every wait is bounded: a cancel landing inside redis-py can be swallowed."""
+        self._stopping = True
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._task, 5.0)
         with contextlib.suppress(Exception):
-            await self._redis.delete(self.key)
+            await asyncio.wait_for(self._redis.delete(self.key), 2.0)
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            await asyncio.wait_for(self._redis.aclose(), 2.0)
 
 
 async def list_workers(redis: aioredis.Redis, role: str) -> list[str]:

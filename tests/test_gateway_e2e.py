@@ -82,6 +82,8 @@ def test_streaming_image_chat_through_the_split(stack):
     assert chunks[-1].usage.completion_tokens == len(answer.split())
     metrics = httpx.get(f"{stack}/metrics").text
     assert 'epd:placement_total{placement="disaggregated",reason="forced"}' in metrics
+    for stage in ("encoder", "prefill", "decode"):
+        assert f'epd:queue_depth{{stage="{stage}"}}' in metrics
     for worker in status(stack)["decode"]:
         assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
 

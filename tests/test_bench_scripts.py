@@ -1,0 +1,274 @@
+"""The side-by-side benchmark scripts (bench/compare_servers.py, bench/placement_comparison.py).
+
+Only argument parsing and the table / report building, on tiny fake reports and
+records: no server is started and nothing is timed. The measured numbers live in
+bench/RESULTS.md, never in tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import compare_servers as cs
+from bench import placement_comparison as pc
+from bench.record import RequestRecord
+
+
+def fake_report(**overrides) -> dict:
+    report = {
+        "requests": 16, "ok": 16, "failed": 0, "failed_by_status": {}, "duration_s": 2.0,
+        "req_per_s": 8.0, "output_tok_per_s": 32.0, "goodput_req_per_s": 8.0,
+        "ttft_ms_p50": 400.0, "ttft_ms_p90": 500.0, "ttft_ms_p99": 600.0, "mean_ttft_ms": 410.0,
+        "itl_ms_p50": 5.0, "itl_ms_p90": 8.0, "itl_ms_p99": 10.0,
+        "e2e_ms_p50": 420.0, "e2e_ms_p90": 520.0, "e2e_ms_p99": 620.0,
+        "answers_correct": 16, "answers_checked": 16,
+    }
+    report.update(overrides)
+    return report
+
+
+def record(index: int, ttft: float | None = 0.1, gaps: tuple[float, ...] = (0.01,), ok: bool = True,
+           text: str = "a red circle", long: bool = False) -> RequestRecord:
+    return RequestRecord(index, index, long, "a red circle", status=200 if ok else 503, ok=ok, ttft_s=ttft,
+                         itl_s=list(gaps), e2e_s=(ttft or 0) + sum(gaps), output_tokens=len(gaps) + 1, text=text)
+
+
+# ------------------------------------------------------------------ compare_servers: arguments
+
+
+def test_compare_defaults() -> None:
+    args = cs.parse_args([])
+    assert args.model_list == ["demo", "bench"]
+    assert (args.requests, args.concurrency, args.rounds) == (64, 16, 2)
+    assert args.transformers_threads == 1
+    assert args.cache_model == "demo" and not args.cache_only
+    assert cs.stem(args) == "compare_servers"
+
+
+def test_compare_options() -> None:
+    args = cs.parse_args(["--models", "bench", "--requests", "8", "--concurrency", "4", "--rounds", "1",
+                          "--cache-model", "none", "--tag", "threads-2", "--epd-args", "--placement colocated"])
+    assert args.model_list == ["bench"]
+    assert (args.requests, args.concurrency, args.rounds) == (8, 4, 1)
+    assert cs.stem(args) == "compare_servers-threads-2"
+    assert args.epd_args.split() == ["--placement", "colocated"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", "llama"],
+    ["--requests", "0"],
+    ["--concurrency", "0"],
+    ["--cache-model", "other"],
+    ["--cache-only", "--cache-model", "none"],
+    ["--tag", "a/b"],
+    ["--warmup", "-1"],
+])
+def test_compare_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        cs.parse_args(argv)
+
+
+# ------------------------------------------------------------------ compare_servers: tables
+
+
+def test_ratio_rows_and_markdown() -> None:
+    base = fake_report(server_cpu_ms_per_request={"total": 20.0})
+    epd = fake_report(req_per_s=24.0, ttft_ms_p50=100.0, server_cpu_ms_per_request={"total": 10.0})
+    rows = cs.ratio_rows(base, epd)
+    by_label = {row[0]: row for row in rows}
+    assert by_label["requests/s"][1:] == ["8.00", "24.00", "3.00"]
+    assert by_label["TTFT p50 (ms)"][3] == "0.25"
+    assert by_label["server CPU ms / request"][3] == "0.50"
+    assert by_label["ok / requests"][1:3] == ["16/16", "16/16"]
+    assert by_label["answers correct"][2] == "16/16"
+    table = cs.markdown_table(["metric", "transformers", "epd", "epd / transformers"], rows).splitlines()
+    assert table[0].startswith("| metric") and set(table[1]) <= {"|", "-"}
+    assert len(table) == len(rows) + 2
+    assert len({len(line) for line in table}) == 1  # columns aligned
+
+
+def test_ratio_and_fmt_edge_cases() -> None:
+    assert cs.ratio(None, 1.0) is None and cs.ratio(1.0, 0.0) is None and cs.ratio(3.0, 2.0) == 1.5
+    assert cs.fmt(None) == "-" and cs.fmt(1.234) == "1.23" and cs.fmt(12345.6) == "12346" and cs.fmt(3) == "3"
+    rows = cs.ratio_rows(fake_report(ttft_ms_p50=None, answers_checked=0),
+                         fake_report(answers_checked=0))
+    labels = [r[0] for r in rows]
+    assert "answers correct" not in labels and "server CPU ms / request" not in labels
+    assert dict((r[0], r[3]) for r in rows)["TTFT p50 (ms)"] == "-"
+
+
+def test_check_targets() -> None:
+    base = fake_report()
+    good = cs.check_targets(base, fake_report(req_per_s=16.0, ttft_ms_p50=200.0), {"same": 16, "compared": 16})
+    assert good["throughput_ok"] and good["ttft_p50_ok"] and good["epd_all_correct"] and good["all_met"]
+    assert good["epd_matches_transformers"]
+    slow = cs.check_targets(base, fake_report(req_per_s=12.0, ttft_ms_p50=300.0, answers_correct=15))
+    assert slow["throughput_ratio"] == 1.5 and not slow["throughput_ok"]
+    assert not slow["ttft_p50_ok"] and not slow["epd_all_correct"] and not slow["all_met"]
+    assert "epd_matches_transformers" not in slow
+    failed = cs.check_targets(base, fake_report(req_per_s=20.0, ttft_ms_p50=100.0, ok=15))
+    assert not failed["epd_all_correct"]
+
+
+def test_cache_rows() -> None:
+    distinct = fake_report(cache_checks={"hit": 0.0, "checked": 32.0})
+    repeated = fake_report(ttft_ms_p50=300.0, cache_checks={"hit": 32.0, "checked": 32.0})
+    rows = {r[0]: r for r in cs.cache_rows(distinct, repeated)}
+    assert rows["TTFT p50 (ms)"][1:] == ["400.00", "300.00", "0.75"]
+    assert rows["images found cached / checked (gateway)"][1:3] == ["0/32", "32/32"]
+
+
+def test_pooled_same_text_and_errors() -> None:
+    a = cs.Run("t", {"duration_s": 1.0}, [record(0, 0.1), record(1, 0.3), record(2, ok=False)])
+    b = cs.Run("t", {"duration_s": 3.0}, [record(0, 0.2, text="a blue square"), record(1, 0.2)])
+    report = cs.pooled([a, b])
+    assert report["requests"] == 5 and report["ok"] == 4 and report["duration_s"] == 4.0
+    assert report["req_per_s"] == 1.0
+    assert report["ttft_ms_p50"] == pytest.approx(200.0)
+    assert report["answers_correct"] == 3
+    assert cs.same_text(a.records, b.records) == (1, 2)
+    errors = cs.error_samples(a.records + [record(3, ok=False)])
+    assert errors == ["503: "]
+
+
+def test_cpu_per_request() -> None:
+    runs = [cs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.2}, 0.05),
+            cs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.0}, 0.05)]
+    cpu = cs.cpu_per_request(runs)
+    assert cpu["gateway"] == pytest.approx(10.0) and cpu["decode"] == pytest.approx(10.0)
+    assert cpu["total"] == pytest.approx(20.0) and cpu["load_generator"] == pytest.approx(5.0)
+    assert cs.cpu_per_request([cs.Run("x", {"ok": 0}, [], {"gateway": 1.0})]) == {}
+
+
+def test_prometheus_parsing_and_deltas() -> None:
+    text = "\n".join([
+        "# HELP epd:gateway_image_cache_checks_total Images checked",
+        "# TYPE epd:gateway_image_cache_checks_total counter",
+        'epd:gateway_image_cache_checks_total{cached="true"} 5.0',
+        'epd:gateway_image_cache_checks_total{cached="false"} 3.0',
+        'epd:placement_total{placement="colocated",reason="forced"} 7.0',
+        "process_cpu_seconds_total 12.0",
+    ])
+    after = cs.parse_prometheus(text)
+    assert "process_cpu_seconds_total" not in after
+    before = {'epd:gateway_image_cache_checks_total{cached="true"}': 1.0,
+              'epd:gateway_image_cache_checks_total{cached="false"}': 3.0}
+    delta = cs.counter_delta(before, after, "epd:gateway_image_cache_checks_total")
+    assert delta == {'epd:gateway_image_cache_checks_total{cached="true"}': 4.0}
+
+
+def test_plot_cdfs_writes_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "cdf.png"
+    cs.plot_cdfs({"a": [record(0), record(1, 0.2, (0.02, 0.03))], "b": [record(2, ok=False)]}, path, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ placement_comparison
+
+
+def test_placement_defaults_and_topology() -> None:
+    args = pc.parse_args([])
+    assert args.placement_list == list(pc.PLACEMENTS) and args.scenario_list == list(pc.SCENARIOS)
+    assert args.core_list == [0, 1] and args.burst_at_list == [4.0, 14.0]
+    assert pc.topology("colocated", [0, 1]) == [("decode", 0), ("decode", 1)]
+    assert pc.topology("disaggregated", [3, 5]) == [("prefill", 3), ("decode", 5)]
+    assert pc.topology("conditional", [0, 1]) == [("prefill", 0), ("decode", 1)]
+    with pytest.raises(ValueError):
+        pc.topology("mixed", [0, 1])
+    cmd = pc.worker_cmd("decode", Path("/m"), 5000, "1", ["--kv-memory-mb", "64"])
+    assert cmd[:3] == ["taskset", "-c", "1"] and cmd[-2:] == ["--kv-memory-mb", "64"]
+    assert pc.worker_cmd("encoder", Path("/m"), 5000, None)[0] != "taskset"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--placements", "colocated,split"],
+    ["--scenarios", "burst"],
+    ["--cores", "0"],
+    ["--cores", "1,1"],
+    ["--cores", "a,b"],
+    ["--burst-at", "-1"],
+    ["--short-rate", "0"],
+    ["--burst-size", "0"],
+])
+def test_placement_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        pc.parse_args(argv)
+
+
+def test_summarize_run_uses_class_slos() -> None:
+    short = [record(0, 0.5, (0.1, 0.2)), record(1, 3.0, (0.1,)), record(2, 0.5, (1.5,)), record(3, ok=False)]
+    long = [record(4, 8.0, (0.1,), long=True)]
+    run = pc.ScenarioRun(short, long, 10.0, {'epd:placement_total{placement="colocated",reason="forced"}': 5.0})
+    s = pc.summarize_run(run, short_ttft_slo_ms=2000, long_ttft_slo_ms=10000, itl_slo_ms=1000)
+    # good: short 0 and the long one; short 1 misses TTFT, short 2 misses ITL, short 3 failed
+    assert s["good"] == 2 and s["goodput_req_per_s"] == pytest.approx(0.2)
+    assert (s["requests"], s["ok"]) == (5, 4) and s["failed_by_status"] == {"503": 1}
+    assert s["short_itl_ms_max"] == pytest.approx(1500.0)
+    assert s["long_ttft_ms_p99"] == pytest.approx(8000.0)
+    assert pc.decisions(s["placements"]) == "colocated 5"
+
+
+def summary(**overrides) -> dict:
+    base = {"short_itl_ms_p99": 200.0, "short_itl_ms_max": 250.0, "short_ttft_ms_p50": 300.0,
+            "short_ttft_ms_p99": 600.0, "long_ttft_ms_p99": 5000.0, "goodput_req_per_s": 0.5,
+            "good": 10, "requests": 12, "placements": {}}
+    base.update(overrides)
+    return base
+
+
+def test_scenario_rows_mark_the_best() -> None:
+    results = {"colocated": summary(short_itl_ms_p99=2000.0, goodput_req_per_s=0.4),
+               "disaggregated": summary(short_itl_ms_p99=300.0, goodput_req_per_s=0.3),
+               "conditional": summary(short_itl_ms_p99=350.0, goodput_req_per_s=0.5,
+                                      placements={'epd:placement_total{placement="colocated",reason="x"}': 3.0,
+                                                  'epd:placement_total{placement="disaggregated",reason="y"}': 2.0,
+                                                  'epd:placement_total{placement="colocated",reason="z"}': 1.0})}
+    rows = {r[0]: r for r in pc.scenario_rows(results)}
+    assert rows["short ITL p99 (ms)"][1:] == ["2000", "300.00 *", "350.00"]
+    assert rows["goodput (req/s)"][3] == "0.50 *"
+    assert rows["good / requests"][1] == "10/12"
+    assert rows["placements chosen"][3] == "colocated 4, disaggregated 2"
+    no_long = {"colocated": summary(long_ttft_ms_p99=None), "conditional": summary(long_ttft_ms_p99=None)}
+    assert "long TTFT p99 (ms)" not in {r[0] for r in pc.scenario_rows(no_long)}
+
+
+def test_claims() -> None:
+    results = {
+        "mixed": {"colocated": summary(short_itl_ms_p99=2000.0, goodput_req_per_s=0.4),
+                  "disaggregated": summary(short_itl_ms_p99=300.0, goodput_req_per_s=0.3),
+                  "conditional": summary(short_itl_ms_p99=330.0, goodput_req_per_s=0.45)},
+        "low": {"colocated": summary(short_ttft_ms_p50=200.0),
+                "disaggregated": summary(short_ttft_ms_p50=260.0),
+                "conditional": summary(short_ttft_ms_p50=300.0)},
+    }
+    c = pc.claims(results)
+    assert c["long_prompt_breaks_colocated_itl"] and c["mixed_itl_p99_colocated_over_disaggregated"] == pytest.approx(2000 / 300)
+    assert c["low_load_colocated_wins_ttft"]
+    assert c["conditional"]["mixed:short_itl_ms_p99"]["best_or_close"]       # 330 <= 300 * 1.2
+    assert not c["conditional"]["low:short_ttft_ms_p50"]["best_or_close"]     # 300 > 200 * 1.2
+    assert c["conditional_best_or_close"] is False
+    assert pc.claims({"mixed": {"colocated": summary()}}) == {}
+
+
+def test_probe_rows() -> None:
+    rows = pc.probe_rows({"colocated": {"reply_ms": 120.0, "colocated_prefill_ms": 80.0},
+                          "disaggregated": {"reply_ms": 150.0, "prefill_ms": 60.0, "transfer_ms": 20.0}})
+    assert rows[0][0] == "colocated" and len(rows[0]) == len(pc.PROBE_KEYS) + 1
+    col = dict(zip(pc.PROBE_KEYS, rows[0][1:]))
+    dis = dict(zip(pc.PROBE_KEYS, rows[1][1:]))
+    assert col["reply_ms"] == "120.00" and col["prefill_ms"] == "-" and col["colocated_prefill_ms"] == "80.00"
+    assert dis["transfer_ms"] == "20.00"
+    assert pc.parse_args(["--probe", "0"]).probe == 0
+    with pytest.raises(SystemExit):
+        pc.parse_args(["--probe", "-1"])
+
+
+def test_claims_idle_from_probes() -> None:
+    probes = {"colocated": {"reply_ms": 150.0}, "disaggregated": {"reply_ms": 200.0},
+              "conditional": {"reply_ms": 170.0}}
+    c = pc.claims({}, probes=probes)
+    assert c["idle_colocated_wins_ttft"] and c["idle_ttft_colocated_over_disaggregated"] == pytest.approx(0.75)
+    assert c["idle_conditional_best_or_close"]
+    assert not pc.claims({}, probes={**probes, "conditional": {"reply_ms": 190.0}})["idle_conditional_best_or_close"]
