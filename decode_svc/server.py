@@ -6,16 +6,13 @@ import asyncio
 import logging
 import sys
 
-import torch
-
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.embedding_fetch import EmbeddingFetcher
 from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, configure_logging, run_until_signal
+from runtime.grpc_server import WorkerServer, run_worker
 from runtime.kv_pool import KVBlockPool
 from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings, parse_worker_args
-from runtime.worker_metrics import serve_worker_metrics
+from runtime.settings import WorkerSettings
 
 from .bulk_receiver import BulkKVServer
 from .servicer import DecodeServicer
@@ -55,21 +52,8 @@ async def open_cache(settings: WorkerSettings):
     return open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
 
 
-async def _serve(settings: WorkerSettings) -> None:
-    server, servicer = await build(settings)
-    serve_worker_metrics(settings.metrics_port, lambda: servicer)
-    try:
-        await run_until_signal(server, servicer.drain)
-    finally:
-        await servicer.stop()
-
-
 def main(argv: list[str]) -> int:
-    settings = parse_worker_args("decode", argv)
-    configure_logging()
-    torch.set_grad_enabled(False)
-    asyncio.run(_serve(settings))
-    return 0
+    return run_worker("decode", argv, build)
 
 
 if __name__ == "__main__":

@@ -67,10 +67,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self._reaper = asyncio.create_task(self._reap_leases(), name="lease-reaper")
 
     def on_stop(self, callback) -> None:
-        """Register an async cleanup (e.g. the bulk KV server) run by ``stop``."""
+        """Register an async cleanup (e.g. the bulk KV server) run by ``close``."""
         self._on_stop.append(callback)
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         for callback in self._on_stop:
             await callback()
         if self._reaper:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import torch
-
 from cache import open_encoder_cache
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, configure_logging, run_until_signal
+from runtime.grpc_server import WorkerServer, run_worker
 from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings, parse_worker_args
-from runtime.worker_metrics import serve_worker_metrics
+from runtime.settings import WorkerSettings
 
 from .batcher import EncodeBatcher
 from .servicer import EncoderServicer
@@ -34,22 +31,8 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, EncoderServicer
     return server, servicer
 
 
-async def _serve(settings: WorkerSettings) -> None:
-    server, servicer = await build(settings)
-    serve_worker_metrics(settings.metrics_port, lambda: servicer)
-    try:
-        await run_until_signal(server, servicer.drain)
-    finally:
-        await servicer.batcher.stop()
-        await servicer.cache.close()
-
-
 def main(argv: list[str]) -> int:
-    settings = parse_worker_args("encoder", argv)
-    configure_logging()
-    torch.set_grad_enabled(False)
-    asyncio.run(_serve(settings))
-    return 0
+    return run_worker("encoder", argv, build)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         while self.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.05)
 
+    async def close(self) -> None:
+        await self.batcher.stop()
+        await self.cache.close()
+
     def local_stats(self) -> dict[str, int]:
         return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight}
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,6 +83,38 @@ async def run_until_signal(server: WorkerServer, drain: Callable[[float], Awaita
     await stop.wait()
     log.info("%s worker draining", server.role)
     await server.drain_and_stop(drain)
+
+
+class WorkerServicer(Protocol):
+    """What every role's servicer offers the common runner."""
+
+    async def drain(self, timeout_s: float) -> None: ...
+    async def close(self) -> None: ...
+    def local_stats(self) -> dict[str, int]: ...
+
+
+def run_worker(role: str, argv: list[str],
+               build: Callable[[WorkerSettings], Awaitable[tuple[WorkerServer, WorkerServicer]]]) -> int:
+    """``epd <role>``: parse flags, build the role's server, serve until a signal, drain, close."""
+    import torch
+
+    from .settings import parse_worker_args
+    from .worker_metrics import serve_worker_metrics
+
+    settings = parse_worker_args(role, argv)
+    configure_logging()
+    torch.set_grad_enabled(False)
+
+    async def serve() -> None:
+        server, servicer = await build(settings)
+        serve_worker_metrics(settings.metrics_port, lambda: servicer)
+        try:
+            await run_until_signal(server, servicer.drain)
+        finally:
+            await servicer.close()
+
+    asyncio.run(serve())
+    return 0
 
 
 def configure_logging() -> None:
