@@ -15,8 +15,9 @@ from collections import deque
 
 
 class FirstTokenPressure:
-    def __init__(self, window_s: float = 5.0):
+    def __init__(self, window_s: float = 5.0, min_samples: int = 8):
         self.window_s = window_s
+        self.min_samples = min_samples         # below this, no rate is trusted (start-up, after idle)
         self.waiting = 0                       # admitted, no first token yet
         self._firsts: deque[float] = deque()   # times of recent first tokens
 
@@ -29,17 +30,20 @@ class FirstTokenPressure:
         if got_first_token:
             self._firsts.append(time.monotonic())
 
-    def rate_per_s(self) -> float:
-        cutoff = time.monotonic() - self.window_s
-        while self._firsts and self._firsts[0] < cutoff:
+    def rate_per_s(self) -> float | None:
+        """First tokens per second over the part of the window that had any; None when too few."""
+        now = time.monotonic()
+        while self._firsts and self._firsts[0] < now - self.window_s:
             self._firsts.popleft()
-        return len(self._firsts) / self.window_s
+        if len(self._firsts) < self.min_samples:
+            return None
+        return len(self._firsts) / max(now - self._firsts[0], 1.0)
 
     def wait_ms(self) -> float:
         """Expected queueing before a new request's first token; 0 while nothing waits."""
         if self.waiting <= 0:
             return 0.0
         rate = self.rate_per_s()
-        if rate <= 0:
-            return 0.0  # no recent throughput to divide by (start-up): let the stage estimates decide
+        if rate is None:
+            return 0.0  # no trustworthy throughput yet (start-up, after idle): the stage estimates decide
         return 1000.0 * self.waiting / rate
