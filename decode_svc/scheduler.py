@@ -30,6 +30,7 @@ import torch
 from runtime.kv_pool import KVBlockPool
 from runtime.model_adapter import PackedItem, VLMAdapter
 from runtime.sampling import SamplingParams, sample_token
+from runtime.background_loop import start_loop, stop_loop
 from runtime.timing_log import TimingLog
 
 log = logging.getLogger("epd.decode")
@@ -109,16 +110,10 @@ class DecodeScheduler:
 
     # -- the loop ---------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="decode-scheduler")
-        self._task.add_done_callback(_log_if_crashed)
+        self._task = start_loop(self._loop(), "decode-scheduler")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_loop(self._task)
         for seq in [*self.running, *self.prefilling]:
             self._retire(seq, "cancelled", "worker stopping")
 
@@ -215,8 +210,3 @@ class DecodeScheduler:
         seq.events.put_nowait(StepEvent([], reason, detail))
         self.on_retire(seq, reason)
 
-
-def _log_if_crashed(task: asyncio.Task) -> None:
-    """The loop only ends by cancellation; anything else is a bug that must be visible."""
-    if not task.cancelled() and task.exception() is not None:
-        log.critical("scheduler loop crashed", exc_info=task.exception())

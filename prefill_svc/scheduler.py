@@ -26,6 +26,7 @@ from runtime.kv_pool import KVBlockPool
 from runtime.model_adapter import PackedItem, VLMAdapter
 from runtime.sampling import SamplingParams, sample_token
 from runtime.tensor_bytes import dtype_name
+from runtime.background_loop import start_loop, stop_loop
 from runtime.timing_log import TimingLog
 from runtime.wire import payload_checksum
 
@@ -93,16 +94,10 @@ class PrefillScheduler:
         return sum(j.prompt_len - j.next_start for j in (*self.waiting, *self.active))
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="prefill-scheduler")
-        self._task.add_done_callback(_log_if_crashed)
+        self._task = start_loop(self._loop(), "prefill-scheduler")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_loop(self._task)
         for job in [*self.waiting, *self.active]:
             self._finish(job, RuntimeError("prefill worker stopping"))
 
@@ -187,8 +182,3 @@ class PrefillScheduler:
             else:
                 job.done.set_exception(error)
 
-
-def _log_if_crashed(task: asyncio.Task) -> None:
-    """The loop only ends by cancellation; anything else is a bug that must be visible."""
-    if not task.cancelled() and task.exception() is not None:
-        log.critical("scheduler loop crashed", exc_info=task.exception())
