@@ -25,8 +25,7 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
                                       max_images=settings.max_images)
     pool = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                           device=settings.device)
-    cache = await open_cache(settings)
-    servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher(cache), max_batch=settings.decode_max_batch,
+    servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,
                               prefill_chunk_tokens=settings.prefill_chunk_tokens, lease_margin_s=settings.lease_margin_s,
                               faults=FaultInjector(settings.faults))
     server = WorkerServer("decode", settings, "Decode")
@@ -41,15 +40,6 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
         log.info("bulk KV path on %s", servicer.bulk_address)
     log.info("decode KV pool: %d blocks of %d tokens (%s)", pool.num_blocks, pool.block_size, adapter.kv_layout.describe())
     return server, servicer
-
-
-async def open_cache(settings: WorkerSettings):
-    """The shared encoder cache, read-only use here; None without Redis (ask the encoder instead)."""
-    if not settings.redis_url:
-        return None
-    from cache import open_encoder_cache
-
-    return open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
 
 
 def main(argv: list[str]) -> int:

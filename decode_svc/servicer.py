@@ -21,6 +21,7 @@ import grpc
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.grpc_server import wait_until_idle
 from runtime.errors import AdapterInputError
 from runtime.faults import FaultInjector
 from runtime.kv_pool import KVBlockPool
@@ -83,9 +84,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def drain(self, timeout_s: float) -> None:
         """Accepted requests finish; new reservations are refused meanwhile."""
         self.serving = False
-        end = time.monotonic() + timeout_s
-        while (self.table.active or self.scheduler.busy) and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        await wait_until_idle(lambda: self.table.active or self.scheduler.busy, timeout_s)
 
     def _on_retire(self, seq: Sequence, reason: str) -> None:
         self.table.release(seq.reservation_id, reason)

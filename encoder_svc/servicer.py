@@ -20,6 +20,7 @@ from cache.encoder_cache import EncoderCache
 from cache.keys import image_content_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.grpc_server import wait_until_idle
 from runtime.errors import InvalidImage
 from runtime.model_adapter import VLMAdapter
 from runtime.wire import tensor_to_pb
@@ -86,9 +87,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     async def drain(self, timeout_s: float) -> None:
         self.serving = False
-        end = time.monotonic() + timeout_s
-        while self.in_flight and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        await wait_until_idle(lambda: self.in_flight, timeout_s)
 
     async def close(self) -> None:
         await self.batcher.stop()

@@ -50,7 +50,7 @@ class KVSender:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
-    def put(self, header: pb.KVChunk, payload: bytes) -> None:
+    def put(self, header: pb.KVChunk, payload: bytes | memoryview) -> None:
         """Queue one chunk: its header (``payload_bytes`` set, ``payload`` empty) and its bytes."""
         self._queue.put_nowait((header, payload))
 
@@ -87,7 +87,7 @@ class KVSender:
         async for chunk, payload in self._chunks():
             msg = pb.KVChunk()
             msg.CopyFrom(chunk)
-            msg.payload = payload
+            msg.payload = bytes(payload)  # protobuf needs bytes: the gRPC path's extra copy
             yield msg
 
     async def _run(self) -> pb.PushKVResponse:

@@ -161,7 +161,8 @@ class PrefillScheduler:
     def _forward(self, spans):
         items = [PackedItem(job.embeds[s:e], s, job.blocks, want_logits=e == job.prompt_len) for job, s, e in spans]
         logits = self.adapter.forward_packed(self.pool, items)
-        payloads = [self.pool.read(job.blocks, s, e).contiguous().view(torch.uint8).numpy().tobytes() for job, s, e in spans]
+        # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
+        payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
         firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len) for l, (job, _, _) in zip(logits, spans)]
         return payloads, firsts
 

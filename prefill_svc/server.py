@@ -24,12 +24,7 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, PrefillServicer
                                              device=settings.device)
     scheduler = PrefillScheduler(adapter, scratch, model_fingerprint=adapter.model_fingerprint,
                                  max_batch=settings.prefill_max_batch)
-    cache = None
-    if settings.redis_url:
-        from cache import open_encoder_cache
-
-        cache = open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
-    servicer = PrefillServicer(adapter, scheduler, EmbeddingFetcher(cache),
+    servicer = PrefillServicer(adapter, scheduler, EmbeddingFetcher.for_settings(settings),
                                default_chunk_tokens=settings.prefill_chunk_tokens, faults=FaultInjector(settings.faults))
     server = WorkerServer("prefill", settings, "Prefill")
     pb_grpc.add_PrefillServicer_to_server(servicer, server.server)

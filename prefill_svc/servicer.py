@@ -16,6 +16,7 @@ import grpc
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.grpc_server import wait_until_idle
 from runtime.errors import AdapterInputError
 from runtime.faults import FaultInjector
 from runtime.model_adapter import VLMAdapter
@@ -45,9 +46,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def drain(self, timeout_s: float) -> None:
         self.serving = False
-        end = time.monotonic() + timeout_s
-        while self.in_flight and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        await wait_until_idle(lambda: self.in_flight, timeout_s)
 
     async def close(self) -> None:
         await self.scheduler.stop()

@@ -28,8 +28,21 @@ class EmbeddingFetchError(RuntimeError):
 
 class EmbeddingFetcher:
     def __init__(self, cache=None):
-        self.cache = cache   # object with ``async get(key) -> Tensor | None``, or None
+        self.cache = cache   # object with ``async get(key) -> Tensor | None`` and ``close()``, or None
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @classmethod
+    def for_settings(cls, settings) -> "EmbeddingFetcher":
+        """Read the shared (Redis) encoder cache when configured; otherwise always ask the encoder.
+
+        There is no point in a private in-process cache here: only the encoder fills it.
+        """
+        if not settings.redis_url:
+            return cls(None)
+        from cache import open_encoder_cache
+
+        return cls(open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20,
+                                      ttl_s=settings.cache_ttl_s))
 
     def _stub(self, address: str) -> pb_grpc.EncoderStub:
         if address not in self._channels:
@@ -67,3 +80,5 @@ class EmbeddingFetcher:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        if self.cache is not None:
+            await self.cache.close()

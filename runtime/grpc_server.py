@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -83,6 +84,13 @@ async def run_until_signal(server: WorkerServer, drain: Callable[[float], Awaita
     await stop.wait()
     log.info("%s worker draining", server.role)
     await server.drain_and_stop(drain)
+
+
+async def wait_until_idle(busy: Callable[[], object], timeout_s: float) -> None:
+    """A servicer's drain: poll ``busy()`` until it is falsy or ``timeout_s`` passes."""
+    end = time.monotonic() + timeout_s
+    while busy() and time.monotonic() < end:
+        await asyncio.sleep(0.05)
 
 
 class WorkerServicer(Protocol):
