@@ -9,7 +9,6 @@ replicas when the cache is Redis).
 
 from __future__ import annotations
 
-import asyncio
 import io
 import time
 

@@ -22,7 +22,6 @@ from inprocess_backend import (
     demo_model_path,
     image_bytes,
     image_message,
-    load_adapter,
     shape,
 )
 
@@ -33,21 +32,6 @@ from gateway.prompt import PromptBuilder
 from gateway.settings import GatewaySettings
 
 MODEL = "demo-vlm"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_adapter()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> PromptBuilder:
-    return PromptBuilder.from_pretrained(demo_model_path()[0])
-
-
-@pytest.fixture
-def backend(model) -> InProcessBackend:
-    return InProcessBackend(model[0])
 
 
 @asynccontextmanager

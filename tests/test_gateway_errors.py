@@ -11,31 +11,15 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from inprocess_backend import InProcessBackend, data_url, demo_model_path, image_bytes, image_message, load_adapter, shape
+from inprocess_backend import InProcessBackend, data_url, demo_model_path, image_bytes, image_message, shape
 from PIL import Image
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.prompt import PromptBuilder
 from gateway.settings import GatewaySettings
 
 MODEL = "demo-vlm"
 URL_PARAM = "messages.0.content.0.image_url.url"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_adapter()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> PromptBuilder:
-    return PromptBuilder.from_pretrained(demo_model_path()[0])
-
-
-@pytest.fixture
-def backend(model) -> InProcessBackend:
-    return InProcessBackend(model[0])
 
 
 def make_app(backend, prompts, **overrides):
