@@ -82,7 +82,9 @@ class KVBlockPool:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+        """Return blocks. Pushed last-first, so the next ``allocate`` pops them back in their
+        old order: a freed sequence's adjacent blocks stay adjacent for the next owner."""
+        for b in reversed(blocks):
             if self._is_free[b]:
                 raise RuntimeError(f"KV block {b} freed twice")
             self._is_free[b] = True
@@ -125,6 +127,28 @@ class KVBlockPool:
         chunk = chunk.to(self.kv.device, self.kv.dtype)
         for pos, slot, length in self.runs(blocks, start, start + chunk.shape[2]):
             self._flat[:, :, slot: slot + length] = chunk[:, :, pos - start: pos - start + length]
+
+    @property
+    def host_resident(self) -> bool:
+        """Whether the pool lives in host memory, so sockets can write into it directly."""
+        return self.kv.device.type == "cpu"
+
+    def host_views(self, blocks: list[int], start: int, end: int) -> list[memoryview] | None:
+        """Writable byte views of positions ``start..end``, in wire order, or ``None`` off the CPU.
+
+        Concatenated, the views are exactly a wire chunk ``[layers, 2, n, kv_heads, head_dim]``:
+        for each layer, K then V, each run of adjacent slots. A socket can ``recv_into`` them
+        one after another, so the bytes of a chunk land in the pool with no staging copy.
+        The views alias the pool: the caller must stop writing once the blocks change owner.
+        """
+        if not self.host_resident:
+            return None
+        runs = self.runs(blocks, start, end)
+        as_bytes = self._flat.view(torch.uint8) if self._flat.dtype != torch.uint8 else self._flat
+        return [
+            memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
+            for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs
+        ]
 
     def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""

@@ -195,3 +195,26 @@ def test_read_is_a_copy():
     out = p.read(blocks, 0, 4)
     out.zero_()
     assert torch.count_nonzero(p.read(blocks, 0, 4)) > 0
+
+
+def test_a_freed_sequence_hands_its_blocks_back_in_order():
+    p = pool(num_blocks=8)
+    first = p.allocate(4 * 6)
+    p.free(first)
+    again = p.allocate(4 * 6)
+    assert again == first
+    assert len(p.runs(again, 0, 24)) == 1      # still one contiguous run: one copy per layer to land
+
+
+def test_host_views_are_the_wire_chunk_in_place():
+    p = pool(num_blocks=8)
+    blocks = p.allocate(4 * 5)
+    blocks[1], blocks[3] = blocks[3], blocks[1]   # a fragmented block table
+    c = chunk(17, seed=3)
+    wire = c.contiguous().view(torch.uint8).numpy().tobytes()
+    offset = 0
+    for view in p.host_views(blocks, 2, 19):
+        view[:] = wire[offset: offset + len(view)]
+        offset += len(view)
+    assert offset == len(wire)
+    assert torch.equal(p.read(blocks, 2, 19), c)
