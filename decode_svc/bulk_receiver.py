@@ -2,11 +2,21 @@
 
 The design chapter: bulk data should move on a path designed for it, while
 control messages arrange the rendezvous. gRPC in Python parses each message into
-fresh buffers and copies the payload several times; here the payload is read
-from the socket straight into one preallocated buffer (``BufferedProtocol``),
-checksummed there and copied once more, into the KV pool. Everything else — the
-reservation, generation fencing, verification and the outcome table — is the
-same ``KVReceiver`` the gRPC ``PushKV`` uses.
+fresh buffers and copies the payload several times. Here a chunk's header is
+checked first (reservation, generation, duplicate, shape: ``KVReceiver.admit``),
+then its payload is read from the socket **straight into the reservation's pool
+blocks** and checksummed piece by piece while the bytes are still in cache. Only
+a verified chunk is recorded (``KVReceiver.accept``); a sequence is inserted only
+after every chunk is recorded, so unverified bytes in a reservation's own blocks
+are never read. A pool that is not in host memory (``--device cuda``) is staged
+through one host buffer and landed with ``KVReceiver.land``.
+
+Ownership while a payload arrives: the event loop runs other callbacks between
+two reads of one chunk, and a ``Release`` or ``Rearm`` may come in between.
+Before every read the receiver checks that the reservation still holds its blocks
+under the same attempt; from the first read where it does not, the rest of the
+payload is read into a scratch buffer and the chunk is rejected. So a late chunk
+never writes into blocks that were freed or re-armed.
 
 Wire format, one connection per transfer attempt::
 
@@ -23,14 +33,113 @@ import struct
 
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.faults import FaultInjector
+from runtime.wire import checksum_digest, payload_hasher
 
-from .kv_receiver import ChunkOutcome, KVReceiver
+from .kv_receiver import ChunkOutcome, ChunkResult, KVReceiver
+from .reservations import Reservation
 
 log = logging.getLogger("epd.decode.bulk")
 
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 1 << 30
+_SCRATCH = bytearray(1 << 20)   # discarded payload bytes go here; its contents are never read
+
+
+class _Discard:
+    """A payload nobody will use (refused, dropped, or its reservation went away): read and forget."""
+
+    def __init__(self, remaining: int, result: ChunkResult | None):
+        self.remaining = remaining
+        self.result = result
+
+    def buffer(self) -> memoryview:
+        return memoryview(_SCRATCH)[: min(self.remaining, len(_SCRATCH))]
+
+    def filled(self, n: int) -> bool:
+        self.remaining -= n
+        return self.remaining == 0
+
+    def finish(self) -> ChunkResult | None:
+        return self.result
+
+
+class _Staged:
+    """Pool off the host: the payload goes into one host buffer, then ``KVReceiver.land`` copies it."""
+
+    def __init__(self, server: "BulkKVServer", header: pb.KVChunk, corrupt: bool):
+        self.server, self.header, self.corrupt = server, header, corrupt
+        self.size = header.payload_bytes
+        self.buf = server.take_buffer(self.size)
+        self.got = 0
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.buf)[self.got: self.size]
+
+    def filled(self, n: int) -> bool:
+        self.got += n
+        return self.got == self.size
+
+    def finish(self) -> ChunkResult:
+        payload = memoryview(self.buf)[: self.size]
+        if self.corrupt:
+            payload[self.size // 2] ^= 0xFF
+        try:
+            return self.server.receiver.land(self.header, payload)
+        finally:
+            self.server.give_back(self.buf)
+
+
+class _InPlace:
+    """Payload read straight into ``res``'s pool blocks, hashed piece by piece as it arrives."""
+
+    def __init__(self, receiver: KVReceiver, res: Reservation, header: pb.KVChunk, views: list[memoryview],
+                 corrupt: bool):
+        self.receiver, self.res, self.header, self.corrupt = receiver, res, header, corrupt
+        self.attempt = res.attempt                 # the attempt these bytes belong to
+        self.views = [v for v in views if len(v)]
+        self.view_index = 0
+        self.offset = 0
+        self.remaining = header.payload_bytes
+        self.hasher = payload_hasher()
+        self.lost: _Discard | None = None          # set once the blocks are no longer ours to write
+        self.attempt.landing.add(header.chunk_index)
+
+    def _still_owned(self) -> bool:
+        return not self.res.released and self.res.attempt is self.attempt
+
+    def buffer(self) -> memoryview:
+        if self.lost is None and not self._still_owned():
+            self.lost = _Discard(self.remaining, ChunkResult(
+                ChunkOutcome.REJECTED, "reservation released or re-armed while the chunk was arriving"))
+        if self.lost is not None:
+            return self.lost.buffer()
+        return self.views[self.view_index][self.offset:]
+
+    def filled(self, n: int) -> bool:
+        if self.lost is not None:
+            self.remaining -= n
+            return self.lost.filled(n)
+        piece = self.views[self.view_index][self.offset: self.offset + n]
+        if self.corrupt:                           # injected wire damage, before the checksum sees it
+            piece[n // 2] ^= 0xFF
+            self.corrupt = False
+        self.hasher.update(piece)
+        self.offset += n
+        self.remaining -= n
+        if self.offset == len(self.views[self.view_index]):
+            self.view_index, self.offset = self.view_index + 1, 0
+        return self.remaining == 0
+
+    def finish(self) -> ChunkResult:
+        self.attempt.landing.discard(self.header.chunk_index)
+        if self.lost is not None or not self._still_owned():
+            return self.lost.result if self.lost else ChunkResult(ChunkOutcome.REJECTED, "reservation released")
+        if self.attempt.state.terminal:            # another stream failed this attempt meanwhile
+            return ChunkResult(ChunkOutcome.REJECTED, f"transfer failed: {self.attempt.detail}")
+        if checksum_digest(self.hasher) != self.header.checksum:
+            return self.receiver.fail(self.res, f"checksum mismatch on chunk {self.header.chunk_index}")
+        return self.receiver.accept(self.res, self.header, self.header.payload_bytes)
 
 
 class _BulkProtocol(asyncio.BufferedProtocol):
@@ -42,44 +151,39 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         self._state = "len"        # len -> header -> payload -> len ...
         self._filled = 0
         self._want = 4
-        self._header: pb.KVChunk | None = None
+        self._sink: _Discard | _Staged | _InPlace | None = None
         self._counts = {"accepted": 0, "duplicates": 0, "rejected": 0}
         self._detail = ""
         self._last_reservation = ""
-        self._payload: bytearray | None = None   # this connection's payload buffer, from the server's free list
 
     def connection_made(self, transport):
         self.transport = transport
 
-    def _target(self) -> memoryview:
-        if self._state == "len":
-            return memoryview(self._len_buf)
-        if self._state == "header":
-            return memoryview(self._header_buf)[: self._want]
-        return memoryview(self._payload_buffer(self._want))[: self._want]
-
-    def _payload_buffer(self, size: int) -> bytearray:
-        if self._payload is None or len(self._payload) < size:
-            if self._payload is not None:
-                self.server.give_back(self._payload)
-            self._payload = self.server.take_buffer(size)
-        return self._payload
-
     def connection_lost(self, exc) -> None:
-        if self._payload is not None:
-            self.server.give_back(self._payload)
-            self._payload = None
+        if isinstance(self._sink, _InPlace):       # stream broke mid-chunk: the chunk never counts
+            self._sink.attempt.landing.discard(self._sink.header.chunk_index)
+        elif isinstance(self._sink, _Staged):
+            self.server.give_back(self._sink.buf)
+        self._sink = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._target()[self._filled:]
+        if self._state == "payload":
+            return self._sink.buffer()
+        target = self._len_buf if self._state == "len" else self._header_buf
+        return memoryview(target)[self._filled: self._want]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._filled += nbytes
-        if self._filled < self._want:
-            return
-        self._filled = 0
         try:
-            self._advance()
+            if self._state == "payload":
+                if self._sink.filled(nbytes):
+                    sink, self._sink = self._sink, None
+                    self._count(sink.finish())
+                    self._state, self._want = "len", 4
+                return
+            self._filled += nbytes
+            if self._filled == self._want:
+                self._filled = 0
+                self._advance()
         except Exception as exc:  # malformed stream: close it; the attempt never completes
             log.warning("bulk KV stream closed: %s", exc)
             self.transport.close()
@@ -93,22 +197,34 @@ class _BulkProtocol(asyncio.BufferedProtocol):
             if n > MAX_HEADER_BYTES:
                 raise ValueError(f"header of {n} bytes")
             self._state, self._want = "header", n
-        elif self._state == "header":
-            self._header = pb.KVChunk.FromString(bytes(self._header_buf[: self._want]))
-            size = self._header.payload_bytes
+        else:
+            header = pb.KVChunk.FromString(bytes(self._header_buf[: self._want]))
+            size = header.payload_bytes
             if not 0 < size <= MAX_PAYLOAD_BYTES:
                 raise ValueError(f"payload of {size} bytes")
-            self._state, self._want = "payload", size
-        else:
-            payload = memoryview(self._payload)[: self._want]
-            self._land(self._header, payload)
-            self._state, self._want = "len", 4
+            self._last_reservation = header.reservation.reservation_id
+            self._sink = self._sink_for(header)
+            self._state = "payload"
 
-    def _land(self, header: pb.KVChunk, payload: memoryview) -> None:
-        self._last_reservation = header.reservation.reservation_id
-        if not self.server.faults.mangle_payload(payload):
+    def _sink_for(self, header: pb.KVChunk) -> _Discard | _Staged | _InPlace:
+        receiver = self.server.receiver
+        fate = self.server.faults.bulk_chunk_fate()
+        if fate == "drop":
+            return _Discard(header.payload_bytes, None)
+        if not receiver.pool.host_resident:
+            return _Staged(self.server, header, corrupt=fate == "corrupt")
+        res, refused = receiver.admit(header)
+        if refused is None and header.payload_bytes != receiver.chunk_nbytes(header):
+            refused = receiver.fail(res, f"payload of {header.payload_bytes} bytes != "
+                                         f"{receiver.chunk_nbytes(header)} for the shape")
+        if refused is not None:
+            return _Discard(header.payload_bytes, refused)
+        views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end)
+        return _InPlace(receiver, res, header, views, corrupt=fate == "corrupt")
+
+    def _count(self, result: ChunkResult | None) -> None:
+        if result is None:
             return
-        result = self.server.receiver.land(header, payload)
         key = {ChunkOutcome.ACCEPTED: "accepted", ChunkOutcome.DUPLICATE: "duplicates"}.get(result.outcome, "rejected")
         self._counts[key] += 1
         if result.outcome == ChunkOutcome.REJECTED:
@@ -127,8 +243,9 @@ class _BulkProtocol(asyncio.BufferedProtocol):
 class BulkKVServer:
     """Accepts bulk KV streams; one event-loop thread, like the gRPC servicer, so no locking.
 
-    Each connection reads payloads into its own buffer taken from a small free list, so
-    concurrent transfers never share bytes and steady state allocates nothing.
+    Payloads land in place in the pool. Only a pool off the host stages them, each
+    connection in its own buffer from a small free list, so concurrent transfers
+    never share bytes and steady state allocates nothing.
     """
 
     def __init__(self, receiver: KVReceiver, faults: FaultInjector, on_stream_end=lambda res: None):
@@ -140,7 +257,7 @@ class BulkKVServer:
         self.port = 0
 
     def take_buffer(self, size: int) -> bytearray:
-        """A payload buffer for one connection; buffers are reused across connections, never shared."""
+        """A staging buffer for one chunk; buffers are reused across connections, never shared."""
         for i, buf in enumerate(self._free_buffers):
             if len(buf) >= size:
                 return self._free_buffers.pop(i)

@@ -17,7 +17,9 @@ valid                                      accepted     TRANSFERRING (or SUCCESS
 A transfer is SUCCESS only when every chunk ``0..total-1`` is present, the chunks
 cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's token
 digest and model fingerprint equal the reservation's. Out-of-order arrival is
-fine. Payload bytes are copied once: from the message buffer into the pool.
+fine. Payload bytes are copied once: from the message buffer into the pool (gRPC), or
+from the socket straight into the pool (the bulk path uses ``admit`` / ``accept`` around
+its own in-place receive).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from runtime.kv_pool import KVBlockPool
 from runtime.tensor_bytes import dtype_from_name, dtype_name
 from runtime.wire import payload_checksum
 
-from .reservations import ReservationTable
+from .reservations import Reservation, ReservationTable
 from .transfer_state import TransferState
 
 
@@ -55,42 +57,64 @@ class KVReceiver:
         self.table = table
         self.pool = pool
 
-    def land(self, chunk: pb.KVChunk, payload: bytes | memoryview | None = None) -> ChunkResult:
-        """Land one chunk. ``payload`` is given by the bulk path (bytes that followed the
-        header on the socket); over gRPC it is the message's own ``payload`` field."""
+    def admit(self, chunk: pb.KVChunk) -> tuple[Reservation | None, ChunkResult | None]:
+        """Every check that needs only the header. ``(res, None)`` means the payload may land
+        in ``res``'s blocks; otherwise the result says why not (and nothing is written)."""
         res = self.table.get(chunk.reservation.reservation_id)
         if res is None or res.released:
-            return ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
+            return None, ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
         attempt = res.attempt
         if chunk.reservation.generation != attempt.generation:
-            return ChunkResult(ChunkOutcome.REJECTED, f"stale generation {chunk.reservation.generation} != {attempt.generation}")
+            return None, ChunkResult(ChunkOutcome.REJECTED,
+                                     f"stale generation {chunk.reservation.generation} != {attempt.generation}")
         if attempt.state == TransferState.SUCCESS:
-            return ChunkResult(ChunkOutcome.DUPLICATE, "transfer already complete")
+            return None, ChunkResult(ChunkOutcome.DUPLICATE, "transfer already complete")
         if attempt.state == TransferState.FAILED:
-            return ChunkResult(ChunkOutcome.REJECTED, f"transfer failed: {attempt.detail}")
-        if chunk.chunk_index in attempt.received:
-            return ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
+            return None, ChunkResult(ChunkOutcome.REJECTED, f"transfer failed: {attempt.detail}")
+        if chunk.chunk_index in attempt.received or chunk.chunk_index in attempt.landing:
+            return None, ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
+        problem = self._validate_header(chunk, res.prompt_tokens)
+        if problem:
+            return None, self.fail(res, problem)
+        return res, None
 
+    def land(self, chunk: pb.KVChunk, payload: bytes | memoryview | None = None) -> ChunkResult:
+        """Land one whole chunk: over gRPC ``payload`` is the message's own field; the bulk path
+        passes a staged buffer when the pool cannot be written in place (not on the CPU)."""
+        res, refused = self.admit(chunk)
+        if refused is not None:
+            return refused
         if payload is None:
             # one read of the field: each read of a bytes field of a (upb) message is a fresh copy
             payload = chunk.payload
-        problem = self._validate(chunk, payload, res.prompt_tokens)
-        if problem:
-            attempt.set_state(TransferState.FAILED, problem)
-            return ChunkResult(ChunkOutcome.REJECTED, problem)
-
+        if len(payload) != self.chunk_nbytes(chunk):
+            return self.fail(res, f"payload of {len(payload)} bytes != {self.chunk_nbytes(chunk)} for the shape")
+        if payload_checksum(payload) != chunk.checksum:
+            return self.fail(res, f"checksum mismatch on chunk {chunk.chunk_index}")
         with warnings.catch_warnings():  # read-only message buffer: we only copy out of it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=torch.uint8)
         kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
         self.pool.write(res.blocks, chunk.token_start, kv)
+        return self.accept(res, chunk, len(payload))
 
+    def chunk_nbytes(self, chunk: pb.KVChunk) -> int:
+        return (chunk.token_end - chunk.token_start) * self.pool.layout.bytes_per_token
+
+    def fail(self, res: Reservation, problem: str) -> ChunkResult:
+        """The chunk is bad: the attempt fails (the gateway retries, re-prefills or gives up)."""
+        res.attempt.set_state(TransferState.FAILED, problem)
+        return ChunkResult(ChunkOutcome.REJECTED, problem)
+
+    def accept(self, res: Reservation, chunk: pb.KVChunk, nbytes: int) -> ChunkResult:
+        """The chunk's verified bytes are in ``res``'s blocks: record it, maybe complete the transfer."""
+        attempt = res.attempt
         now = time.monotonic()
         if attempt.first_chunk_at is None:
             attempt.first_chunk_at = now
             attempt.set_state(TransferState.TRANSFERRING)
         attempt.received[chunk.chunk_index] = (chunk.token_start, chunk.token_end)
-        attempt.bytes_received += len(payload)
+        attempt.bytes_received += nbytes
         if chunk.last:
             attempt.total_chunks = chunk.total_chunks
             attempt.first_token = chunk.first_token
@@ -100,7 +124,7 @@ class KVReceiver:
         self._maybe_complete(res)
         return ChunkResult(ChunkOutcome.ACCEPTED)
 
-    def _validate(self, chunk: pb.KVChunk, payload: bytes, prompt_tokens: int) -> str:
+    def _validate_header(self, chunk: pb.KVChunk, prompt_tokens: int) -> str:
         layout = self.pool.layout
         n = chunk.token_end - chunk.token_start
         if not (0 <= chunk.token_start < chunk.token_end <= prompt_tokens):
@@ -112,8 +136,6 @@ class KVReceiver:
         expected = [layout.layers, 2, n, layout.kv_heads, layout.head_dim]
         if list(chunk.shape) != expected:
             return f"shape {list(chunk.shape)} != {expected}"
-        if payload_checksum(payload) != chunk.checksum:
-            return f"checksum mismatch on chunk {chunk.chunk_index}"
         return ""
 
     def _maybe_complete(self, res) -> None:

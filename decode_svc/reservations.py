@@ -33,6 +33,7 @@ class TransferAttempt:
     generation: int
     state: TransferState = TransferState.BOOTSTRAPPING
     received: dict[int, tuple[int, int]] = field(default_factory=dict)  # chunk index -> token range
+    landing: set[int] = field(default_factory=set)   # chunk indices being received in place (bulk path)
     total_chunks: int | None = None
     first_token: int | None = None
     token_digest: str = ""
@@ -138,6 +139,7 @@ class ReservationTable:
         if not res.attempt.state.terminal:
             res.attempt.set_state(TransferState.FAILED, reason or "released")
         res.attempt.received.clear()
+        res.attempt.landing.clear()
         res.attempt.done.set()
         self.pool.free(res.blocks)
         self.released_total += 1

@@ -64,10 +64,10 @@ class FaultInjector:
             chunk.payload = bytes(data)
         return chunk
 
-    def mangle_payload(self, payload: memoryview) -> bool:
-        """Decode side, bulk path: maybe corrupt ``payload`` in place. Returns False to drop the chunk."""
+    def bulk_chunk_fate(self) -> str:
+        """Decode side, bulk path, decided when a chunk's header arrives: ``"drop"`` (its bytes are
+        read and discarded), ``"corrupt"`` (a byte is flipped as it arrives, before the checksum
+        sees it, like damage on the wire) or ``""``."""
         if self.coin("drop_chunk"):
-            return False
-        if self.coin("corrupt_chunk") and len(payload):
-            payload[len(payload) // 2] ^= 0xFF
-        return True
+            return "drop"
+        return "corrupt" if self.coin("corrupt_chunk") else ""

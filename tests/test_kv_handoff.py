@@ -470,3 +470,38 @@ async def test_bulk_path_malformed_stream_is_closed_and_nothing_lands(env, stub)
     await push(stub, kv_chunks(env, p, reservation, 16))
     tokens, _, _ = await generate(stub, reservation)
     assert tokens == p.expected
+
+
+async def test_bulk_chunk_cut_off_by_release_never_writes_into_the_next_owners_blocks(env, stub) -> None:
+    """The bulk path reads payloads straight into pool blocks: a release in the middle of a
+    chunk must stop the writes, even when the same blocks already belong to someone else."""
+    import struct
+
+    p = env.prompt(5)
+    gone, bulk = await bulk_reserve(stub, env, p)
+    header, _ = as_bulk([garbage_like(m) for m in kv_chunks(env, p, gone, 10_000)])[0]   # one chunk, poison
+    payload = garbage_like(kv_chunks(env, p, gone, 10_000)[0]).payload
+    head = header.SerializeToString()
+    host, port = bulk.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    half = len(payload) // 2
+    writer.write(struct.pack("<I", len(head)) + head + payload[:half])
+    await writer.drain()
+    await _wait_stats(stub, lambda s: True)   # a round trip: the worker has had time to read the first half
+    await asyncio.sleep(0.2)
+
+    assert (await stub.Release(pb.ReleaseRequest(request_id="r", reservation=gone, reason="test"), timeout=5)).released
+    res = await reserve(stub, env, p)                           # the very blocks `gone` had
+    assert (await push(stub, kv_chunks(env, p, res, 16))).state == "SUCCESS"
+
+    writer.write(payload[half:] + struct.pack("<I", 0))        # the rest of the stale chunk, after the new KV
+    await writer.drain()
+    size = struct.unpack("<I", await asyncio.wait_for(reader.readexactly(4), 5))[0]
+    reply = pb.PushKVResponse.FromString(await reader.readexactly(size))
+    writer.close()
+    assert (reply.accepted, reply.rejected) == (0, 1)
+    assert "released or re-armed while the chunk was arriving" in reply.detail
+
+    tokens, finish, _ = await generate(stub, res)
+    assert tokens == p.expected and finish == p.finish
+    assert (await _stats(stub)).pending_chunks == 0
