@@ -171,20 +171,23 @@ class VLMAdapter:
     @torch.inference_mode()
     def forward_packed(self, pool: KVBlockPool, items: Sequence[PackedItem]) -> list[torch.Tensor | None]:
         """Run all items' new tokens as one packed row; write their KV; return last-token logits."""
-        spans, slot_parts, pos_parts, offset = [], [], [], 0
+        spans, new_slots, positions, offset = [], [], [], 0
         for item in items:
             q_len = item.embeds.shape[0]
             end = item.start + q_len
-            context = pool.slots(item.blocks, 0, end)
-            spans.append(SequenceSpan(offset, q_len, context))
-            slot_parts.append(context[item.start:])
-            pos_parts.append(torch.arange(item.start, end, device=self.device))
+            for _, slot, length in pool.runs(item.blocks, item.start, end):   # the new tokens' own slots
+                new_slots.extend(range(slot, slot + length))
+            context = pool.runs(item.blocks, 0, end)
+            spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context]))
+            positions.extend(range(item.start, end))
             offset += q_len
-        batch = PagedBatch(pool.kv, torch.cat(slot_parts), spans)
+        slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=self.device)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
+        batch = PagedBatch(pool.kv, slot_mapping, spans)
         embeds = torch.cat([i.embeds for i in items]).unsqueeze(0)
         with paged_attention.paged_forward():
             hidden = self._decoder(
-                inputs_embeds=embeds, position_ids=torch.cat(pos_parts).unsqueeze(0), use_cache=False, epd_batch=batch
+                inputs_embeds=embeds, position_ids=position_ids.unsqueeze(0), use_cache=False, epd_batch=batch
             ).last_hidden_state[0]
         wanted = [i for i, item in enumerate(items) if item.want_logits]
         results: list[torch.Tensor | None] = [None] * len(items)

@@ -8,8 +8,10 @@ the stock SDPA path, so one loaded model serves both.
 
 Packed layout: all sequences' new tokens are concatenated into one row
 ``[1, T]``. ``slot_mapping[t]`` is the flat pool slot of new token ``t``;
-``context_slots[i]`` lists the slots of sequence ``i``'s whole context, ending with
-its new tokens. Invariant: the new tokens are the last ``q_len`` of the context.
+``context_runs[i]`` lists sequence ``i``'s whole context, ending with its new
+tokens, as runs of adjacent slots. Invariant: the new tokens are the last
+``q_len`` of the context. A context in one run (the usual case: blocks are
+handed out in order) is attended as a view of the pool, with no gather copy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _paged_forward_active: contextvars.ContextVar[bool] = contextvars.ContextVar("ep
 class SequenceSpan:
     q_offset: int            # first of this sequence's new tokens in the packed row
     q_len: int               # number of new tokens
-    context_slots: torch.Tensor  # [ctx_len] long: pool slots of positions 0..ctx_len-1
+    context_runs: list[tuple[int, int]]  # (first slot, length) covering positions 0..ctx_len-1 in order
 
 
 @dataclass(slots=True)
@@ -40,6 +42,14 @@ class PagedBatch:
     kv: torch.Tensor             # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor   # [T] long: where each new token's K/V is written
     spans: list[SequenceSpan]
+
+
+def _context(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``[ctx, KVH, D]`` of one sequence: a view when the context is one run, else a copy."""
+    if len(runs) == 1:
+        slot, length = runs[0]
+        return pool[slot: slot + length]
+    return torch.cat([pool[slot: slot + length] for slot, length in runs])
 
 
 def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -57,8 +67,8 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     for span in batch.spans:
         q = query[:, :, span.q_offset: span.q_offset + span.q_len]          # [1, H, q, D]
-        k = k_pool[span.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
-        v = v_pool[span.context_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        k = _context(k_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
+        v = _context(v_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)
         ctx_len = k.shape[2]
         if span.q_len == 1:
             o = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)
