@@ -56,6 +56,7 @@ class Sequence:
     # colocated prefill state: prompt embeddings still to run, from `prefilled` on
     prompt_embeds: torch.Tensor | None = None
     prefilled: int = 0
+    prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
     cancelled: bool = False
     finished: bool = False
     first_step_ms: float | None = None
@@ -90,8 +91,10 @@ class DecodeScheduler:
             self.running.append(seq)
         self._wake.set()
 
-    def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor) -> None:
+    def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor, chunk_tokens: int | None = None) -> None:
+        """Prefill here, at most ``chunk_tokens`` (default: the step's token budget) per step."""
         seq.prompt_embeds = prompt_embeds
+        seq.prefill_chunk = chunk_tokens
         self.prefilling.append(seq)
         self._wake.set()
 
@@ -143,7 +146,7 @@ class DecodeScheduler:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled
-            end = min(seq.prompt_len, start + budget)
+            end = min(seq.prompt_len, start + min(budget, seq.prefill_chunk or budget))
             chunks.append((seq, start, end))
             budget -= end - start
 

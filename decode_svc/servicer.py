@@ -248,7 +248,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         except AdapterInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         res.inserted = True
-        self.scheduler.insert_colocated(seq, embeds)
+        self.scheduler.insert_colocated(seq, embeds, chunk_tokens=request.chunk_tokens or None)
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
         a = res.attempt

@@ -48,7 +48,6 @@ class GatewaySettings(BaseSettings):
     decode_addrs: AddressList = Field(default_factory=list)
     placement: Literal["conditional", "colocated", "disaggregated"] = "conditional"
     prefill_chunk_tokens: int = Field(default=256, ge=1)
-    prefill_chunk_tokens: int = Field(default=256, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
     @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", mode="before")

@@ -165,12 +165,19 @@ async def test_disaggregated_output_equals_generate(env, chunk_tokens) -> None:
             assert "colocated_prefill_ms" not in breakdown
 
 
-async def test_colocated_output_equals_generate(env) -> None:
-    async with orchestrator(env, "colocated") as o:
+@pytest.mark.parametrize("chunk_tokens", [256, 5], ids=["1-chunk", "many-chunks"])
+async def test_colocated_output_equals_generate(env, chunk_tokens) -> None:
+    before = [len(s.samples) for s in await _decode_stats(env)]
+    async with orchestrator(env, "colocated", chunk_tokens) as o:
         for i, p in enumerate(env.prompts[:5]):
             tokens, finish, breakdown = await run(o, p)
             assert (tokens, finish) == (p.expected, p.finish), f"prompt {i}"
             assert "colocated_prefill_ms" in breakdown and "transfer_bytes" not in breakdown
+    # the decode worker prefilled in the request's chunk size, one chunk per step
+    prefill_steps = [smp.size for s, n in zip(await _decode_stats(env), before) for smp in s.samples[n:]
+                     if smp.kind == "prefill"]
+    assert prefill_steps and max(prefill_steps) <= chunk_tokens
+    assert len(prefill_steps) >= sum(-(-len(p.ids) // chunk_tokens) for p in env.prompts[:5])
 
 
 async def test_concurrent_requests_share_decode_batches_and_match_single_requests(env) -> None:
