@@ -129,11 +129,14 @@ class LinearFit:
 class CostModel:
     """Service-time estimates for every stage, from a prior plus online observations."""
 
-    __slots__ = ("prefill", "decode_step", "transfer", "encode", "_prior")
+    __slots__ = ("prefill", "decode_step", "transfer", "encode", "_prior", "_chunk_times")
+
+    _CHUNK_CACHE = 1024  # memoized chunk-time lists kept (see ``chunk_times``)
 
     def __init__(self, prior: ServiceTimes | None = None, *, window: int = 256, min_points: int = 8) -> None:
         p = prior if prior is not None else ServiceTimes()
         self._prior = p
+        self._chunk_times: dict[tuple[int, int, float, float], tuple[float, ...]] = {}
         self.prefill = LinearFit(p.prefill_base_ms, p.prefill_ms_per_token, window=window, min_points=min_points)
         self.decode_step = LinearFit(p.decode_step_base_ms, p.decode_step_ms_per_seq, window=window, min_points=min_points)
         self.transfer = LinearFit(
@@ -231,11 +234,27 @@ class CostModel:
         """Compute time of one prefill chunk; the fixed prefill cost is paid by the first."""
         return (self.prefill.intercept if first else 0.0) + self.prefill.slope * chunk + self._prior.prefill_chunk_overhead_ms
 
+    def chunk_times(self, tokens: int, chunk_tokens: int) -> tuple[float, ...]:
+        """``chunk_ms`` of each chunk of ``chunk_sizes(tokens, chunk_tokens)``.
+
+        Memoized: the key includes the prefill fit's current coefficients, so a refit
+        never returns stale times (the cache is cleared when it reaches ``_CHUNK_CACHE``).
+        """
+        fit = self.prefill
+        key = (tokens, chunk_tokens, fit.intercept, fit.slope)
+        times = self._chunk_times.get(key)
+        if times is None:
+            if len(self._chunk_times) >= self._CHUNK_CACHE:
+                self._chunk_times.clear()
+            sizes = self.chunk_sizes(tokens, chunk_tokens)
+            times = self._chunk_times[key] = tuple(self.chunk_ms(c, i == 0) for i, c in enumerate(sizes))
+        return times
+
     def chunk_ready_ms(self, tokens: int, chunk_tokens: int) -> list[float]:
         """When each chunk's KV is ready, in ms after a chunked prefill starts."""
         ready, t = [], 0.0
-        for i, chunk in enumerate(self.chunk_sizes(tokens, chunk_tokens)):
-            t += self.chunk_ms(chunk, i == 0)
+        for c in self.chunk_times(tokens, chunk_tokens):
+            t += c
             ready.append(t)
         return ready
 

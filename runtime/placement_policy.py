@@ -208,6 +208,18 @@ def estimate_local(
     encode_ms: float = 0.0,
 ) -> LocalEstimate:
     """Colocated on ``worker``: its TTFT and the stall its running neighbours absorb."""
+    return LocalEstimate(worker.address, *_local_terms(shape, worker, cm, itl_slo_ms, local_chunk_tokens, encode_ms))
+
+
+def _local_terms(
+    shape: RequestShape,
+    worker: DecodeWorkerLoad,
+    cm: CostModel,
+    itl_slo_ms: float,
+    local_chunk_tokens: int | None,
+    encode_ms: float,
+) -> tuple[float, float, float, int]:
+    """``estimate_local``'s (ttft_ms, gap_ms, interference_ms, breached), without the object."""
     tokens = shape.prompt_tokens - worker.cached_prefix_tokens
     if tokens < 1:
         tokens = 1
@@ -218,8 +230,7 @@ def estimate_local(
     if local_chunk_tokens is not None and tokens > local_chunk_tokens:
         step = cm.decode_step_ms(n) if n else 0.0
         total = gap = interference = 0.0
-        for i, chunk in enumerate(cm.chunk_sizes(tokens, local_chunk_tokens)):
-            c = cm.chunk_ms(chunk, i == 0)
+        for c in cm.chunk_times(tokens, local_chunk_tokens):
             total += c + step
             if n and c + step > gap:
                 gap = c + step
@@ -229,7 +240,7 @@ def estimate_local(
         total = cm.prefill_ms(tokens)
         gap = total + cm.decode_step_ms(n + 1) if n else 0.0
         interference = n * total if gap > itl_slo_ms else 0.0
-    return LocalEstimate(worker.address, start + total, gap, interference, n if gap > itl_slo_ms else 0)
+    return start + total, gap, interference, n if gap > itl_slo_ms else 0
 
 
 def estimate_remote(
@@ -349,13 +360,14 @@ def _best_local(
     """The worker with the least harm (own deadline miss + neighbours breached), then cost."""
     best, best_w, best_cost = None, None, 0.0
     for w in workers:
-        est = estimate_local(shape, w, cm, itl_slo_ms, local_chunk_tokens=local_chunk_tokens, encode_ms=encode_ms)
-        harm = (est.ttft_ms > ttft_deadline_ms) + est.breached
+        terms = _local_terms(shape, w, cm, itl_slo_ms, local_chunk_tokens, encode_ms)
+        ttft, _, interference, breached = terms
+        harm = (ttft > ttft_deadline_ms) + breached
         # harm dominates: add a cost far larger than any TTFT difference per unit of harm
-        cost = harm * 1e9 + est.ttft_ms + est.interference_ms
+        cost = harm * 1e9 + ttft + interference
         if _better(cost, w, best_cost, best_w):
-            best, best_w, best_cost = est, w, cost
-    return best  # type: ignore[return-value]  # workers is non-empty
+            best, best_w, best_cost = terms, w, cost
+    return LocalEstimate(best_w.address, *best)  # type: ignore[union-attr, misc]  # workers is non-empty
 
 
 def _best_remote(

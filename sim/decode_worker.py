@@ -298,8 +298,8 @@ class DecodeWorker:
                 queue_wait += sum(req.local_chunks[req.chunk_i + 1:]) + (len(req.local_chunks) - req.chunk_i - 1) * step
         slot_wait = 0.0
         if free <= 0 and running:
-            ahead = len(self.prealloc) + len(self.local_q)
-            fin = heapq.nsmallest(ahead + 1, self.running)[-1][0]
+            ahead = len(self.prealloc) + len(self.local_q)  # the slot we wait for is the (ahead + 1)-th to free
+            fin = self.running[0][0] if not ahead else heapq.nsmallest(ahead + 1, self.running)[-1][0]
             done = self.steps + ((now - self.t0) / self.d if self.mode == STEPPING else 0.0)
             slot_wait = max(0.0, (fin - done) * step)
         return DecodeWorkerLoad(self.name, running, max(free, 0), free_blocks, 1, queue_wait, slot_wait, 0, self.accepts_local)

@@ -203,8 +203,7 @@ class Simulator:
             req.decode_tokens = req.output - 1  # the prefill makes the first token
             req.prefill_ms = self.truth.prefill_ms(req.tokens)
             if self._local_chunks is not None and req.tokens > self._local_chunks:
-                sizes = self.truth.chunk_sizes(req.tokens, self._local_chunks)
-                req.local_chunks = [self.truth.chunk_ms(c, i == 0) for i, c in enumerate(sizes)]
+                req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
                 req.prefill_ms = sum(req.local_chunks)
             worker.submit_local(req, now)
         else:
