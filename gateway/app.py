@@ -41,6 +41,7 @@ from .chat_backend import ChatBackend
 from .chat_handler import ChatHandler
 from .errors import ApiError, error_body, install_error_handlers
 from .images import ImageLimits, ImageLoader, RemoteImageFetcher
+from .loop_lag import LoopLagMonitor
 from .metrics import GatewayMetrics
 from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
 from .prompt import PromptBuilder
@@ -108,7 +109,8 @@ def create_app(
     metrics = GatewayMetrics(registry)
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.max_image_side)
     images = ImageLoader(limits, fetcher=None)
-    handler = ChatHandler(settings, orchestrator, prompts, images, metrics)
+    loop_lag = LoopLagMonitor(on_sample=metrics.loop_lag.set)
+    handler = ChatHandler(settings, orchestrator, prompts, images, metrics, loop_lag)
     created = int(time.time())
 
     @asynccontextmanager
@@ -124,10 +126,12 @@ def create_app(
         if settings.allow_remote_images:
             images.fetcher = RemoteImageFetcher(client, settings.remote_image_timeout_s, settings.max_image_bytes)
         await orchestrator.start()
+        loop_lag.start()
         log.info("gateway serving %s from %s", settings.served_model_name, settings.model)
         try:
             yield
         finally:
+            await loop_lag.stop()
             images.fetcher = None
             try:
                 await orchestrator.close()
@@ -139,6 +143,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.prompts = prompts
+    app.state.loop_lag = loop_lag
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
 

@@ -45,6 +45,7 @@ from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
 from .images import ImageLoader
+from .loop_lag import LoopLagMonitor
 from .metrics import GatewayMetrics
 from .openai_schema import (
     AssistantMessage,
@@ -94,8 +95,9 @@ def failure_reason(error: ApiError) -> str:
 
 class ChatHandler:
     def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
-                 images: ImageLoader, metrics: GatewayMetrics):
+                 images: ImageLoader, metrics: GatewayMetrics, loop_lag: LoopLagMonitor | None = None):
         self.settings = settings
+        self.loop_lag = loop_lag or LoopLagMonitor()   # not started: reads 0
         self.backend = backend
         self.prompts = prompts
         self.images = images
@@ -178,11 +180,12 @@ class ChatHandler:
 
     # -- steps 6-7 ----------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
-        arrival_s = time.monotonic()
+        hidden_wait_s = self.loop_lag.recent_s()   # waited for this loop before this line ran
+        arrival_s = time.monotonic() - hidden_wait_s
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request.state.request_id = request_id
         try:
-            self._shed_if_backlogged(request)
+            self._shed_if_backlogged(request, hidden_wait_s)
             chat = await self.parse(request)
             job = await self.build_job(request, chat, request_id, arrival_s)
             self.metrics.prompt_tokens.inc(len(job.token_ids))
@@ -210,10 +213,11 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
-    def _shed_if_backlogged(self, request: Request) -> None:
-        """Refuse before reading the body when the admitted backlog alone already misses the deadline."""
+    def _shed_if_backlogged(self, request: Request, hidden_wait_s: float) -> None:
+        """Refuse before reading the body when the wait so far plus the admitted backlog already
+        miss the deadline (cheap, so an overloaded gateway spends little on what it refuses)."""
         ttft_slo_ms = parse_slo_header(request.headers.get(TTFT_HEADER), self.settings.ttft_slo_ms, TTFT_HEADER)
-        backlog_ms = self.backend.backlog_ms()
+        backlog_ms = self.backend.backlog_ms() + hidden_wait_s * 1000
         if backlog_ms > ttft_slo_ms:
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
                                    backlog_ms / 1000.0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, REGISTRY, generate_latest
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -50,6 +50,8 @@ class GatewayMetrics:
                                ["reason"], registry=r)
         self.prompt_tokens = Counter("epd:prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("epd:generation_tokens", "Tokens generated.", registry=r)
+        self.loop_lag = Gauge("epd:gateway_event_loop_lag_seconds",
+                              "How late the gateway's event loop ran its last probe (see loop_lag.py).", registry=r)
         for reason in ("stop", "length"):
             self.success.labels(finished_reason=reason)
         for reason in FAILURE_REASONS:

@@ -218,6 +218,22 @@ async def test_admission_refused_maps_to_status_with_retry_after(client, backend
         assert "prefill queue full" in error["message"]
 
 
+async def test_a_lagging_gateway_loop_sheds_before_any_work(backend, prompts):
+    """Time a request spent waiting for the gateway's own loop counts against its TTFT SLO."""
+    settings = GatewaySettings(model=str(demo_model_path()[0]))
+    app = create_app(settings, backend, prompt_builder=prompts)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            app.state.loop_lag.record(time.monotonic(), 1.0)   # the loop ran 1 s late just now
+            ok = await client.post("/v1/chat/completions", json=chat(text_messages()), headers={"x-ttft-slo-ms": "5000"})
+            assert ok.status_code == 200
+            app.state.loop_lag.record(time.monotonic(), 5.0)
+            r = await client.post("/v1/chat/completions", json=chat(text_messages()), headers={"x-ttft-slo-ms": "3000"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "admission_refused"
+            assert "backlog" in r.json()["error"]["message"]
+    assert len(backend.jobs) == 1                            # the refused one never reached the backend
+
+
 async def test_deadline_exceeded_is_504(client, backend):
     backend.deadline_exceeded = True
     for stream in (False, True):

@@ -25,3 +25,30 @@ def test_requests_that_end_without_a_token_leave_the_count():
     p.admitted()
     p.left(got_first_token=False)
     assert p.waiting == 0 and p.wait_ms() == 0.0
+
+
+# -- the gateway's own event-loop lag (gateway/loop_lag.py) ------------------------------------
+import asyncio
+import time
+
+from gateway.loop_lag import LoopLagMonitor
+
+
+async def test_a_blocked_loop_shows_as_lag_and_the_lag_ages_out():
+    seen = []
+    monitor = LoopLagMonitor(interval_s=0.01, window_s=0.5, on_sample=seen.append)
+    monitor.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert monitor.recent_s() < 0.1
+        time.sleep(0.3)                    # a callback that hogs the loop, as a saturated gateway does
+        await asyncio.sleep(0.05)
+        assert monitor.recent_s() >= 0.25 and max(seen) >= 0.25
+        await asyncio.sleep(0.7)           # past the window, with the loop free again
+        assert monitor.recent_s() < 0.1
+    finally:
+        await monitor.stop()
+
+
+def test_no_samples_reads_zero():
+    assert LoopLagMonitor().recent_s() == 0.0
