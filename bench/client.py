@@ -98,6 +98,8 @@ async def _stream_chat(
                     pieces.append(text)
                 if usage := chunk.get("usage"):
                     usage_tokens = usage.get("completion_tokens")
+                if (breakdown := chunk.get("epd_ttft_breakdown")) is not None and record.ttft_breakdown is None:
+                    record.ttft_breakdown = json.dumps(breakdown)   # epd streams it on the final chunk
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         record.status = ERROR
         record.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
