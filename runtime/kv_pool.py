@@ -32,7 +32,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def describe(self) -> str:
         return f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
