@@ -208,7 +208,8 @@ def estimate_local(
     encode_ms: float = 0.0,
 ) -> LocalEstimate:
     """Colocated on ``worker``: its TTFT and the stall its running neighbours absorb."""
-    return LocalEstimate(worker.address, *_local_terms(shape, worker, cm, itl_slo_ms, local_chunk_tokens, encode_ms))
+    prompt_ms = cm.prefill_ms(shape.prompt_tokens)
+    return LocalEstimate(worker.address, *_local_terms(shape, worker, cm, itl_slo_ms, local_chunk_tokens, encode_ms, prompt_ms))
 
 
 def _local_terms(
@@ -218,9 +219,12 @@ def _local_terms(
     itl_slo_ms: float,
     local_chunk_tokens: int | None,
     encode_ms: float,
+    prompt_prefill_ms: float,
 ) -> tuple[float, float, float, int]:
-    """``estimate_local``'s (ttft_ms, gap_ms, interference_ms, breached), without the object."""
-    tokens = shape.prompt_tokens - worker.cached_prefix_tokens
+    """``estimate_local``'s (ttft_ms, gap_ms, interference_ms, breached), without the object.
+    ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request."""
+    cached = worker.cached_prefix_tokens
+    tokens = shape.prompt_tokens - cached
     if tokens < 1:
         tokens = 1
     start = worker.queue_wait_ms + (worker.slot_wait_ms if worker.free_slots <= 0 else 0.0)
@@ -237,7 +241,7 @@ def _local_terms(
             if n and c + step > itl_slo_ms:
                 interference += n * c
     else:
-        total = cm.prefill_ms(tokens)
+        total = cm.prefill_ms(tokens) if cached else prompt_prefill_ms
         gap = total + cm.decode_step_ms(n + 1) if n else 0.0
         interference = n * total if gap > itl_slo_ms else 0.0
     return start + total, gap, interference, n if gap > itl_slo_ms else 0
@@ -254,7 +258,9 @@ def estimate_remote(
     encode_ms: float = 0.0,
 ) -> RemoteEstimate:
     """Remote prefill on ``prefill``, KV over the link, first token from ``decode``."""
-    landed, transfer = _remote_landed(shape, prefill, decode.cached_prefix_tokens, link, cm, transfer_chunk_tokens, encode_ms)
+    landed, transfer = _remote_landed(
+        shape, prefill, decode.cached_prefix_tokens, link, cm, transfer_chunk_tokens, encode_ms, cm.prefill_ms(shape.prompt_tokens)
+    )
     return RemoteEstimate(prefill.address, decode.address, _remote_ttft(landed, decode, cm), transfer)
 
 
@@ -266,8 +272,10 @@ def _remote_landed(
     cm: CostModel,
     transfer_chunk_tokens: int | None,
     encode_ms: float,
+    prompt_prefill_ms: float,
 ) -> tuple[float, float]:
-    """(when the KV has landed on the decode side, the transfer's own duration)."""
+    """(when the KV has landed on the decode side, the transfer's own duration).
+    ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request."""
     tokens = shape.prompt_tokens - prefill.cached_prefix_tokens
     if tokens < 1:
         tokens = 1
@@ -278,7 +286,8 @@ def _remote_landed(
     transfer = cm.transfer_ms(nbytes, share)
     if transfer_chunk_tokens is not None and tokens > transfer_chunk_tokens:
         return start + cm.transfer_done_ms(tokens, transfer_chunk_tokens, share), transfer
-    return start + cm.prefill_ms(tokens) + transfer, transfer
+    prefill_ms = cm.prefill_ms(tokens) if prefill.cached_prefix_tokens else prompt_prefill_ms
+    return start + prefill_ms + transfer, transfer
 
 
 def _remote_ttft(landed: float, decode: DecodeWorkerLoad, cm: CostModel) -> float:
@@ -318,14 +327,15 @@ def choose_placement(
     decode = [w for w in loads.decode if w.free_blocks is None or has_capacity(shape, w)]
     if not decode:
         return None
-    enc = estimate_encode_ms(shape, loads.encoder, cost_model)
+    enc = 0.0 if loads.encoder is None else estimate_encode_ms(shape, loads.encoder, cost_model)
     forced_remote = mode == REMOTE and bool(loads.prefill)
     local_capable = [] if forced_remote else [w for w in decode if w.accepts_local_prefill]
     local = remote = None
+    prompt_ms = cost_model.prefill_ms(shape.prompt_tokens)  # shared by every worker without a cached prefix
     if local_capable:
-        local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc)
+        local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc, prompt_ms)
     if loads.prefill and (mode != COLOCATED or not local_capable):
-        remote = _best_remote(shape, loads, decode, cost_model, transfer_chunk_tokens, enc)
+        remote = _best_remote(shape, loads, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms)
     if local is None and remote is None:
         return None
     if local is None or remote is None:
@@ -356,16 +366,17 @@ def _best_local(
     ttft_deadline_ms: float,
     local_chunk_tokens: int | None,
     encode_ms: float,
+    prompt_prefill_ms: float,
 ) -> LocalEstimate:
     """The worker with the least harm (own deadline miss + neighbours breached), then cost."""
     best, best_w, best_cost = None, None, 0.0
     for w in workers:
-        terms = _local_terms(shape, w, cm, itl_slo_ms, local_chunk_tokens, encode_ms)
+        terms = _local_terms(shape, w, cm, itl_slo_ms, local_chunk_tokens, encode_ms, prompt_prefill_ms)
         ttft, _, interference, breached = terms
         harm = (ttft > ttft_deadline_ms) + breached
         # harm dominates: add a cost far larger than any TTFT difference per unit of harm
         cost = harm * 1e9 + ttft + interference
-        if _better(cost, w, best_cost, best_w):
+        if best_w is None or _better(cost, w, best_cost, best_w):
             best, best_w, best_cost = terms, w, cost
     return LocalEstimate(best_w.address, *best)  # type: ignore[union-attr, misc]  # workers is non-empty
 
@@ -377,24 +388,25 @@ def _best_remote(
     cm: CostModel,
     transfer_chunk_tokens: int | None,
     encode_ms: float,
+    prompt_prefill_ms: float,
 ) -> RemoteEstimate:
     """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT."""
     prefill, soonest = loads.prefill[0], math.inf
-    for p in loads.prefill:
-        tokens = shape.prompt_tokens - p.cached_prefix_tokens if p.cached_prefix_tokens else shape.prompt_tokens
-        done = p.queue_wait_ms + cm.prefill_ms(tokens)
+    for p in loads.prefill if len(loads.prefill) > 1 else ():  # one worker is the soonest
+        cached = p.cached_prefix_tokens
+        done = p.queue_wait_ms + (cm.prefill_ms(shape.prompt_tokens - cached) if cached else prompt_prefill_ms)
         if done < soonest:
             prefill, soonest = p, done
     link, chunk = loads.link, transfer_chunk_tokens
-    common = _remote_landed(shape, prefill, 0, link, cm, chunk, encode_ms)
+    common = _remote_landed(shape, prefill, 0, link, cm, chunk, encode_ms, prompt_prefill_ms)
     best_w, best_ttft, best_transfer = None, 0.0, 0.0
     for w in decode:
         if w.cached_prefix_tokens:  # this worker already holds part of the KV: less to send
-            at, transfer = _remote_landed(shape, prefill, w.cached_prefix_tokens, link, cm, chunk, encode_ms)
+            at, transfer = _remote_landed(shape, prefill, w.cached_prefix_tokens, link, cm, chunk, encode_ms, prompt_prefill_ms)
         else:
             at, transfer = common
         ttft = _remote_ttft(at, w, cm)
-        if _better(ttft, w, best_ttft, best_w):
+        if best_w is None or _better(ttft, w, best_ttft, best_w):
             best_w, best_ttft, best_transfer = w, ttft, transfer
     return RemoteEstimate(prefill.address, best_w.address, best_ttft, best_transfer)  # type: ignore[union-attr]
 

@@ -24,8 +24,8 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_right, insort
 from collections import deque
 from typing import Any
 
@@ -54,7 +54,7 @@ class DecodeWorker:
         self.accepts_local = accepts_local
         self.mode, self.version, self.next_t = IDLE, 0, math.inf
         self.t0, self.d, self.steps = 0.0, 0.0, 0
-        self.running: list[tuple[int, int, Any]] = []  # heap of (finish step, rid, req)
+        self.running: list[tuple[int, int, Any]] = []  # (finish step, rid, req), sorted: [0] finishes first
         self.reserved = 0
         self.prealloc: deque[Any] = deque()
         self.pending: list[Any] = []
@@ -180,7 +180,7 @@ class DecodeWorker:
 
     def _join_pending(self) -> None:
         for req in self.pending:
-            heapq.heappush(self.running, (self.steps + req.decode_tokens, req.rid, req))
+            insort(self.running, (self.steps + req.decode_tokens, req.rid, req))
             req.breach_base = self.breach
             self.fresh.append(req)
         self.reserved -= len(self.pending)
@@ -218,7 +218,7 @@ class DecodeWorker:
         self._host.first_token(req, now)
         self.just_prefilled = True  # a decode step runs before the next whole prefill
         if req.decode_tokens > 0:
-            heapq.heappush(self.running, (self.steps + req.decode_tokens, req.rid, req))
+            insort(self.running, (self.steps + req.decode_tokens, req.rid, req))
             req.breach_base = self.breach
             self.joined_local.append(req)
         else:  # a one-token answer: the prefill made it, no gaps to judge
@@ -263,12 +263,14 @@ class DecodeWorker:
             fresh.clear()
         self.joined_local.clear()
         self.just_prefilled = False
-        self.steps += k
+        self.steps = steps = self.steps + k
         self.t0 = now
         running = self.running
-        if running and running[0][0] <= self.steps:
-            while running and running[0][0] <= self.steps:
-                req = heapq.heappop(running)[2]
+        if running and running[0][0] <= steps:
+            n = bisect_right(running, (steps, math.inf))  # every (finish <= steps, rid, req)
+            done = running[:n]
+            del running[:n]
+            for _, _, req in done:
                 self.kv_used -= req.kv_need
                 self._host.finished(req, now, self)
             self._grant_waiting(now)
@@ -298,8 +300,8 @@ class DecodeWorker:
                 queue_wait += sum(req.local_chunks[req.chunk_i + 1:]) + (len(req.local_chunks) - req.chunk_i - 1) * step
         slot_wait = 0.0
         if free <= 0 and running:
-            ahead = len(self.prealloc) + len(self.local_q)  # the slot we wait for is the (ahead + 1)-th to free
-            fin = self.running[0][0] if not ahead else heapq.nsmallest(ahead + 1, self.running)[-1][0]
+            ahead = len(self.prealloc) + len(self.local_q)  # we wait for the (ahead + 1)-th slot to free
+            fin = self.running[ahead if ahead < running else running - 1][0]
             done = self.steps + ((now - self.t0) / self.d if self.mode == STEPPING else 0.0)
             slot_wait = max(0.0, (fin - done) * step)
         return DecodeWorkerLoad(self.name, running, max(free, 0), free_blocks, 1, queue_wait, slot_wait, 0, self.accepts_local)

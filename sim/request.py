@@ -8,6 +8,7 @@ simulator owns every field; decode workers read ``rid``, ``kv_need``,
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from runtime.placement_policy import RequestShape
@@ -38,4 +39,10 @@ class SimRequest:
         self.t_first = self.t_mark = self.t_reserve = self.t_send = 0.0
 
     def shape(self) -> RequestShape:
-        return RequestShape(self.tokens, self.output, self.images, self.cached)
+        return _shape(self.tokens, self.output, self.images, self.cached)
+
+
+@lru_cache(maxsize=4096)
+def _shape(tokens: int, output: int, images: int, cached: int) -> RequestShape:
+    """Requests of one shape share one ``RequestShape`` (a read-only snapshot), built and validated once."""
+    return RequestShape(tokens, output, images, cached)

@@ -92,7 +92,6 @@ class Simulator:
         self._local_chunks = cfg.local_chunk_tokens if cfg.chunked_prefill else None
         self._sample_every = 1.0
         self._idle_prefill = [(s, PrefillWorkerLoad(s.name, 0.0)) for s in self.prefill.servers]  # reused snapshots
-        self._policy_kwargs = {"transfer_chunk_tokens": self._transfer_chunks, "local_chunk_tokens": self._local_chunks}
 
     # ---- driver --------------------------------------------------------------------
 
@@ -181,16 +180,22 @@ class Simulator:
 
     def _place(self, req: SimRequest, now: float) -> None:
         cfg = self.cfg
-        args = (req.shape(), self._loads(now), self.cm, cfg.placement, req.deadline - now, cfg.itl_slo_ms)
-        kwargs = self._policy_kwargs
+        shape, loads, left = req.shape(), self._loads(now), req.deadline - now
+        chunks, local_chunks = self._transfer_chunks, self._local_chunks
         if cfg.admission:
-            verdict = admit(*args, **kwargs)
+            verdict = admit(
+                shape, loads, self.cm, cfg.placement, left, cfg.itl_slo_ms,
+                transfer_chunk_tokens=chunks, local_chunk_tokens=local_chunks,
+            )
             decision = verdict.decision
             if not verdict.ok:
                 self._reject(req, verdict.reason, now)
                 return
         else:
-            decision = choose_placement(*args, **kwargs)
+            decision = choose_placement(
+                shape, loads, self.cm, cfg.placement, left, cfg.itl_slo_ms,
+                transfer_chunk_tokens=chunks, local_chunk_tokens=local_chunks,
+            )
         if decision is None:
             self._reject(req, "no_decode_capacity", now)
             return
