@@ -40,7 +40,7 @@ class DecodeWorker:
         "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
-        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "_snap",
+        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot",
     )
 
     def __init__(
@@ -67,7 +67,7 @@ class DecodeWorker:
         self.stall_extra, self.stall_n = 0.0, 0
         self.breach = 0
         self.busy_ms, self._busy_since = 0.0, 0.0
-        self._snap: DecodeWorkerLoad | None = None
+        self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
 
     # ---- capacity ------------------------------------------------------------------
 
@@ -281,15 +281,19 @@ class DecodeWorker:
         return self.busy_ms + (end - self._busy_since if self.mode != IDLE else 0.0)
 
     def load(self, now: float) -> DecodeWorkerLoad:
-        """The snapshot the placement policy sees (what a decode worker would report)."""
+        """Refresh ``snapshot``, what a decode worker would report to the placement policy, and return it.
+
+        One object per worker, updated in place (no allocation per placement): read it
+        before the next call. The policy keeps no reference to a snapshot.
+        """
+        snap = self.snapshot
         running = len(self.running)
         used = running + self.reserved + (self.local_active is not None)
         free = self.slots - used - len(self.prealloc) - len(self.local_q)
-        free_blocks = None if self.kv_cap is None else self.kv_cap - self.kv_used
+        snap.running_seqs = running
+        snap.free_blocks = None if self.kv_cap is None else self.kv_cap - self.kv_used
         if free > 0 and self.local_active is None and not self.local_q:  # the common, time-free case
-            snap = self._snap  # reuse the last snapshot when nothing it shows has changed
-            if snap is None or snap.running_seqs != running or snap.free_slots != free or snap.free_blocks != free_blocks:
-                snap = self._snap = DecodeWorkerLoad(self.name, running, free, free_blocks, 1, 0.0, 0.0, 0, self.accepts_local)
+            snap.free_slots, snap.queue_wait_ms, snap.slot_wait_ms = free, 0.0, 0.0
             return snap
         step = self.base + self.slope * max(running, 1)
         queue_wait = self.local_backlog + len(self.local_q) * step if self.local_q else 0.0
@@ -304,4 +308,5 @@ class DecodeWorker:
             fin = self.running[ahead if ahead < running else running - 1][0]
             done = self.steps + ((now - self.t0) / self.d if self.mode == STEPPING else 0.0)
             slot_wait = max(0.0, (fin - done) * step)
-        return DecodeWorkerLoad(self.name, running, max(free, 0), free_blocks, 1, queue_wait, slot_wait, 0, self.accepts_local)
+        snap.free_slots, snap.queue_wait_ms, snap.slot_wait_ms = max(free, 0), queue_wait, slot_wait
+        return snap

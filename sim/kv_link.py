@@ -30,7 +30,7 @@ class Pipe:
     __slots__ = (
         "_events", "_on_done", "_bw", "setup_ms", "max_active", "_flows", "_seq", "_v", "_last", "_version",
         "_sum_finish", "in_setup", "setup_bytes", "waiting", "waiting_bytes", "busy_ms", "_busy_since", "transferred_bytes",
-        "flows_done", "delay_ms", "_idle_load",
+        "flows_done", "delay_ms", "_idle_load", "_load",
     )
 
     def __init__(self, events: EventQueue, bytes_per_s: float, setup_ms: float, max_active: int, on_done: Done) -> None:
@@ -48,7 +48,8 @@ class Pipe:
         self.busy_ms = self._busy_since = 0.0
         self.transferred_bytes = 0.0
         self.flows_done = 0
-        self._idle_load = LinkLoad()
+        self._idle_load = LinkLoad()  # never changes
+        self._load = LinkLoad()  # refreshed in place by ``load``
         self.delay_ms = 0.0  # sum over flows of (setup end -> last byte) minus the flow's own bytes / bandwidth
 
     @property
@@ -57,16 +58,25 @@ class Pipe:
         return len(self._flows) + self.in_setup + len(self.waiting)
 
     def load(self, now: float) -> LinkLoad:
-        """What a new transfer on this pipe would compete with."""
+        """What a new transfer on this pipe would compete with.
+
+        One object per pipe, updated in place (read it before the next call)."""
         if not self._flows and not self.in_setup and not self.waiting:
             return self._idle_load
         self._advance(now)
         moving = self._sum_finish - len(self._flows) * self._v
         if moving < 0.0:
             moving = 0.0
+        load = self._load
         if self.max_active:
-            return LinkLoad(len(self._flows), moving, self.waiting_bytes + self.setup_bytes)
-        return LinkLoad(len(self._flows) + self.in_setup, moving + self.setup_bytes, 0.0)
+            load.active_transfers, load.inflight_bytes, load.queued_bytes = (
+                len(self._flows), moving, self.waiting_bytes + self.setup_bytes
+            )
+        else:
+            load.active_transfers, load.inflight_bytes, load.queued_bytes = (
+                len(self._flows) + self.in_setup, moving + self.setup_bytes, 0.0
+            )
+        return load
 
     def start(self, flow: Any, nbytes: float, now: float) -> None:
         self.in_setup += 1
@@ -140,17 +150,21 @@ class Pipe:
 class KvLink:
     """``n`` independent pipes; ``on_done(flow, now)`` fires when a flow's last byte lands."""
 
-    __slots__ = ("pipes",)
+    __slots__ = ("pipes", "_only")
 
     def __init__(self, events: EventQueue, n: int, bytes_per_s: float, setup_ms: float, max_active: int, on_done: Done) -> None:
         self.pipes = [Pipe(events, bytes_per_s, setup_ms, max_active, on_done) for _ in range(n)]
+        self._only = self.pipes[0] if n == 1 else None  # the usual single pipe: no choice to make
 
     def least_busy(self) -> Pipe:
-        pipes = self.pipes
-        return pipes[0] if len(pipes) == 1 else min(pipes, key=lambda p: p.active)
+        return self._only or min(self.pipes, key=lambda p: p.active)
+
+    def load(self, now: float) -> LinkLoad:
+        """The least-busy pipe's load: what a transfer sent now would compete with."""
+        return (self._only or self.least_busy()).load(now)
 
     def send(self, flow: Any, nbytes: float, now: float) -> None:
-        self.least_busy().start(flow, nbytes, now)
+        (self._only or self.least_busy()).start(flow, nbytes, now)
 
     def active(self) -> int:
         return sum(p.active for p in self.pipes)

@@ -91,7 +91,12 @@ class Simulator:
         self._transfer_chunks = cfg.chunk_tokens if cfg.transfer == "chunked" else None
         self._local_chunks = cfg.local_chunk_tokens if cfg.chunked_prefill else None
         self._sample_every = 1.0
-        self._idle_prefill = [(s, PrefillWorkerLoad(s.name, 0.0)) for s in self.prefill.servers]  # reused snapshots
+        # What the policy sees: one snapshot object per worker and pipe, refreshed in place by
+        # _loads before each decision (the policy keeps no reference), so a placement allocates none.
+        self._prefill_loads = [(s, PrefillWorkerLoad(s.name, 0.0)) for s in self.prefill.servers]
+        self._stage_loads = StageLoads(
+            tuple(w.snapshot for w in self.decode), tuple(load for _, load in self._prefill_loads), self.link.load(0.0)
+        )
 
     # ---- driver --------------------------------------------------------------------
 
@@ -172,11 +177,14 @@ class Simulator:
         self._place(req, now)
 
     def _loads(self, now: float) -> StageLoads:
-        return StageLoads(
-            tuple([w.load(now) for w in self.decode]),
-            tuple([PrefillWorkerLoad(s.name, s.backlog_ms(now)) if s.busy else idle for s, idle in self._idle_prefill]),
-            self.link.least_busy().load(now),
-        )
+        """The stage snapshot at ``now`` (the same objects each time, refreshed in place)."""
+        for w in self.decode:
+            w.load(now)
+        for s, load in self._prefill_loads:
+            load.queue_wait_ms = s.backlog_ms(now) if s.busy else 0.0
+        loads = self._stage_loads
+        loads.link = self.link.load(now)
+        return loads
 
     def _place(self, req: SimRequest, now: float) -> None:
         cfg = self.cfg
@@ -306,7 +314,7 @@ class Simulator:
         action = on_transfer_failure(
             req.deadline - now, held, req.attempts, req.shape(), self.cm, bool(others),
             any(not s.busy for s in self.prefill.servers), max_attempts=cfg.max_transfer_attempts,
-            link=self.link.least_busy().load(now),
+            link=self.link.load(now),
             prefill_wait_ms=min((s.backlog_ms(now) for s in self.prefill.servers), default=0.0),
             decode_batch=len(worker.running) + 1,  # type: ignore[union-attr]
         )
