@@ -30,6 +30,7 @@ treat them as read-only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -209,42 +210,7 @@ def estimate_local(
 ) -> LocalEstimate:
     """Colocated on ``worker``: its TTFT and the stall its running neighbours absorb."""
     prompt_ms = cm.prefill_ms(shape.prompt_tokens)
-    return LocalEstimate(worker.address, *_local_terms(shape, worker, cm, itl_slo_ms, local_chunk_tokens, encode_ms, prompt_ms))
-
-
-def _local_terms(
-    shape: RequestShape,
-    worker: DecodeWorkerLoad,
-    cm: CostModel,
-    itl_slo_ms: float,
-    local_chunk_tokens: int | None,
-    encode_ms: float,
-    prompt_prefill_ms: float,
-) -> tuple[float, float, float, int]:
-    """``estimate_local``'s (ttft_ms, gap_ms, interference_ms, breached), without the object.
-    ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request."""
-    cached = worker.cached_prefix_tokens
-    tokens = shape.prompt_tokens - cached
-    if tokens < 1:
-        tokens = 1
-    start = worker.queue_wait_ms + (worker.slot_wait_ms if worker.free_slots <= 0 else 0.0)
-    if encode_ms > start:
-        start = encode_ms
-    n = worker.running_seqs
-    if local_chunk_tokens is not None and tokens > local_chunk_tokens:
-        step = cm.decode_step_ms(n) if n else 0.0
-        total = gap = interference = 0.0
-        for c in cm.chunk_times(tokens, local_chunk_tokens):
-            total += c + step
-            if n and c + step > gap:
-                gap = c + step
-            if n and c + step > itl_slo_ms:
-                interference += n * c
-    else:
-        total = cm.prefill_ms(tokens) if cached else prompt_prefill_ms
-        gap = total + cm.decode_step_ms(n + 1) if n else 0.0
-        interference = n * total if gap > itl_slo_ms else 0.0
-    return start + total, gap, interference, n if gap > itl_slo_ms else 0
+    return _best_local(shape, (worker,), cm, itl_slo_ms, math.inf, local_chunk_tokens, encode_ms, prompt_ms)
 
 
 def estimate_remote(
@@ -258,10 +224,8 @@ def estimate_remote(
     encode_ms: float = 0.0,
 ) -> RemoteEstimate:
     """Remote prefill on ``prefill``, KV over the link, first token from ``decode``."""
-    landed, transfer = _remote_landed(
-        shape, prefill, decode.cached_prefix_tokens, link, cm, transfer_chunk_tokens, encode_ms, cm.prefill_ms(shape.prompt_tokens)
-    )
-    return RemoteEstimate(prefill.address, decode.address, _remote_ttft(landed, decode, cm), transfer)
+    prompt_ms = cm.prefill_ms(shape.prompt_tokens)
+    return _best_remote(shape, (prefill,), link, (decode,), cm, transfer_chunk_tokens, encode_ms, prompt_ms)
 
 
 def _remote_landed(
@@ -288,15 +252,6 @@ def _remote_landed(
         return start + cm.transfer_done_ms(tokens, transfer_chunk_tokens, share), transfer
     prefill_ms = cm.prefill_ms(tokens) if prefill.cached_prefix_tokens else prompt_prefill_ms
     return start + prefill_ms + transfer, transfer
-
-
-def _remote_ttft(landed: float, decode: DecodeWorkerLoad, cm: CostModel) -> float:
-    """Inserted once the KV landed and a slot is reserved; then one step. (A landed sequence
-    joins at the next step boundary: it does not wait for the worker's local prefill queue.)"""
-    inserted = landed
-    if decode.free_slots <= 0 and decode.slot_wait_ms > inserted:
-        inserted = decode.slot_wait_ms
-    return inserted + cm.decode_step_ms(decode.running_seqs + 1)
 
 
 # ---- placement --------------------------------------------------------------------
@@ -335,7 +290,7 @@ def choose_placement(
     if local_capable:
         local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc, prompt_ms)
     if loads.prefill and (mode != COLOCATED or not local_capable):
-        remote = _best_remote(shape, loads, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms)
+        remote = _best_remote(shape, loads.prefill, loads.link, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms)
     if local is None and remote is None:
         return None
     if local is None or remote is None:
@@ -360,7 +315,7 @@ def choose_placement(
 
 def _best_local(
     shape: RequestShape,
-    workers: list[DecodeWorkerLoad],
+    workers: Sequence[DecodeWorkerLoad],
     cm: CostModel,
     itl_slo_ms: float,
     ttft_deadline_ms: float,
@@ -368,36 +323,67 @@ def _best_local(
     encode_ms: float,
     prompt_prefill_ms: float,
 ) -> LocalEstimate:
-    """The worker with the least harm (own deadline miss + neighbours breached), then cost."""
-    best, best_w, best_cost = None, None, 0.0
+    """The worker with the least harm (own deadline miss + neighbours breached), then cost.
+
+    On one worker: TTFT is its queued local work (or slot wait) plus the prefill; each
+    running neighbour's next gap is prefill + step (chunked: chunk + step, per chunk).
+    ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request.
+    """
+    best: tuple[float, float, float, int] | None = None
+    best_w, best_cost = None, 0.0
     for w in workers:
-        terms = _local_terms(shape, w, cm, itl_slo_ms, local_chunk_tokens, encode_ms, prompt_prefill_ms)
-        ttft, _, interference, breached = terms
+        cached = w.cached_prefix_tokens
+        tokens = shape.prompt_tokens - cached
+        if tokens < 1:
+            tokens = 1
+        start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots <= 0 else 0.0)
+        if encode_ms > start:
+            start = encode_ms
+        n = w.running_seqs
+        if local_chunk_tokens is not None and tokens > local_chunk_tokens:
+            step = cm.decode_step_ms(n) if n else 0.0
+            total = gap = interference = 0.0
+            for c in cm.chunk_times(tokens, local_chunk_tokens):
+                total += c + step
+                if n and c + step > gap:
+                    gap = c + step
+                if n and c + step > itl_slo_ms:
+                    interference += n * c
+        else:
+            total = cm.prefill_ms(tokens) if cached else prompt_prefill_ms
+            gap = total + cm.decode_step_ms(n + 1) if n else 0.0
+            interference = n * total if gap > itl_slo_ms else 0.0
+        ttft, breached = start + total, n if gap > itl_slo_ms else 0
         harm = (ttft > ttft_deadline_ms) + breached
         # harm dominates: add a cost far larger than any TTFT difference per unit of harm
         cost = harm * 1e9 + ttft + interference
         if best_w is None or _better(cost, w, best_cost, best_w):
-            best, best_w, best_cost = terms, w, cost
+            best, best_w, best_cost = (ttft, gap, interference, breached), w, cost
     return LocalEstimate(best_w.address, *best)  # type: ignore[union-attr, misc]  # workers is non-empty
 
 
 def _best_remote(
     shape: RequestShape,
-    loads: StageLoads,
-    decode: list[DecodeWorkerLoad],
+    prefill_workers: Sequence[PrefillWorkerLoad],
+    link: LinkLoad,
+    decode: Sequence[DecodeWorkerLoad],
     cm: CostModel,
     transfer_chunk_tokens: int | None,
     encode_ms: float,
     prompt_prefill_ms: float,
 ) -> RemoteEstimate:
-    """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT."""
-    prefill, soonest = loads.prefill[0], math.inf
-    for p in loads.prefill if len(loads.prefill) > 1 else ():  # one worker is the soonest
+    """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT.
+
+    A landed sequence is inserted once a slot is reserved, at the next step boundary (it
+    does not wait for the worker's local prefill queue); then one step makes its first token.
+    """
+    prefill, soonest = prefill_workers[0], math.inf
+    for p in prefill_workers if len(prefill_workers) > 1 else ():  # one worker is the soonest
         cached = p.cached_prefix_tokens
         done = p.queue_wait_ms + (cm.prefill_ms(shape.prompt_tokens - cached) if cached else prompt_prefill_ms)
         if done < soonest:
             prefill, soonest = p, done
-    link, chunk = loads.link, transfer_chunk_tokens
+    chunk = transfer_chunk_tokens
     common = _remote_landed(shape, prefill, 0, link, cm, chunk, encode_ms, prompt_prefill_ms)
     best_w, best_ttft, best_transfer = None, 0.0, 0.0
     for w in decode:
@@ -405,7 +391,9 @@ def _best_remote(
             at, transfer = _remote_landed(shape, prefill, w.cached_prefix_tokens, link, cm, chunk, encode_ms, prompt_prefill_ms)
         else:
             at, transfer = common
-        ttft = _remote_ttft(at, w, cm)
+        if w.free_slots <= 0 and w.slot_wait_ms > at:
+            at = w.slot_wait_ms
+        ttft = at + cm.decode_step_ms(w.running_seqs + 1)
         if best_w is None or _better(ttft, w, best_ttft, best_w):
             best_w, best_ttft, best_transfer = w, ttft, transfer
     return RemoteEstimate(prefill.address, best_w.address, best_ttft, best_transfer)  # type: ignore[union-attr]

@@ -261,7 +261,8 @@ class DecodeWorker:
             for r in fresh:
                 self._host.first_token(r, first)
             fresh.clear()
-        self.joined_local.clear()
+        if self.joined_local:
+            self.joined_local.clear()
         self.just_prefilled = False
         self.steps = steps = self.steps + k
         self.t0 = now
@@ -273,7 +274,8 @@ class DecodeWorker:
             for _, _, req in done:
                 self.kv_used -= req.kv_need
                 self._host.finished(req, now, self)
-            self._grant_waiting(now)
+            if self.prealloc:
+                self._grant_waiting(now)
 
     # ---- observation ---------------------------------------------------------------
 

@@ -7,8 +7,8 @@ stale events (``callback(now, arg)`` compares ``arg`` to its current version).
 
 from __future__ import annotations
 
-import heapq
 import itertools
+from heapq import heappop, heappush
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +26,11 @@ class EventQueue:
 
     def at(self, t_ms: float, callback: Callback, arg: Any = None) -> None:
         """Run ``callback(t_ms, arg)`` at ``t_ms`` (never earlier than now)."""
-        heapq.heappush(self._heap, (t_ms if t_ms > self.now else self.now, next(self._seq), callback, arg))
+        heappush(self._heap, (t_ms if t_ms > self.now else self.now, next(self._seq), callback, arg))
 
     def run(self) -> float:
         """Run until no events are left; returns the time of the last one."""
-        heap, pop = self._heap, heapq.heappop
+        heap, pop = self._heap, heappop
         n = 0
         while heap:
             t, _, callback, arg = pop(heap)

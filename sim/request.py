@@ -20,7 +20,7 @@ class SimRequest:
         "rid", "arrival", "tokens", "output", "images", "cached", "kv_need", "deadline", "decode_tokens",
         "prefill_ms", "local_chunks", "chunk_i", "breach_base", "worker", "reserved", "prefill_done",
         "chunk_bytes", "chunks_ready", "chunks_sent", "flows", "landed", "resend_full", "attempts", "local",
-        "t_first", "t_mark", "t_reserve", "t_send",
+        "t_first", "t_mark", "t_reserve", "t_send", "shape",
     )
 
     def __init__(self, rid: int, spec: Arrival, ttft_slo_ms: float) -> None:
@@ -37,9 +37,7 @@ class SimRequest:
         self.chunk_bytes: list[int] | None = None
         self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0
         self.t_first = self.t_mark = self.t_reserve = self.t_send = 0.0
-
-    def shape(self) -> RequestShape:
-        return _shape(self.tokens, self.output, self.images, self.cached)
+        self.shape = _shape(self.tokens, self.output, self.images, self.cached)  # what placement sees
 
 
 @lru_cache(maxsize=4096)

@@ -188,7 +188,7 @@ class Simulator:
 
     def _place(self, req: SimRequest, now: float) -> None:
         cfg = self.cfg
-        shape, loads, left = req.shape(), self._loads(now), req.deadline - now
+        shape, loads, left = req.shape, self._loads(now), req.deadline - now
         chunks, local_chunks = self._transfer_chunks, self._local_chunks
         if cfg.admission:
             verdict = admit(
@@ -312,7 +312,7 @@ class Simulator:
             self._release(req, now)
         others = [w for w in self.decode if w is not worker and w.free_slots() > 0]
         action = on_transfer_failure(
-            req.deadline - now, held, req.attempts, req.shape(), self.cm, bool(others),
+            req.deadline - now, held, req.attempts, req.shape, self.cm, bool(others),
             any(not s.busy for s in self.prefill.servers), max_attempts=cfg.max_transfer_attempts,
             link=self.link.load(now),
             prefill_wait_ms=min((s.backlog_ms(now) for s in self.prefill.servers), default=0.0),
