@@ -155,9 +155,11 @@ class DecodeScheduler:
         step_ms = (time.perf_counter() - started) * 1000
         self.steps += 1
         self.max_observed_batch = max(self.max_observed_batch, len(decoding) + len(chunks))
-        if decoding:
+        # Only pure steps are samples: a step that both decodes and prefills costs more than
+        # either part, and would inflate the decode-step and prefill fits alike.
+        if decoding and not chunks:
             self.timings.record("decode_step", len(decoding), step_ms)
-        if chunks:
+        elif chunks and not decoding:
             self.timings.record("prefill", sum(e - s for _, s, e in chunks), step_ms)
 
         for seq, token in zip(decoding, next_tokens):
