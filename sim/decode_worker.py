@@ -20,12 +20,15 @@ Invariants:
 - ITL: every inter-token gap is counted in ``hist`` (gap in 1/100 ms -> count); a request's
   ITL SLO holds when no gap it saw exceeded ``itl_slo_ms``, tracked with the
   ``breach`` counter (a request snapshots it on joining and compares on leaving).
+  Plain gaps (one step, nothing stalled) are counted in ``gaps_n`` while the step
+  length stays ``gaps_d`` and filed into ``hist`` when it changes and by
+  ``flush_gaps()``, which the owner calls before reading ``hist``.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_right, insort
+from bisect import insort
 from collections import deque
 from typing import Any
 
@@ -40,7 +43,7 @@ class DecodeWorker:
         "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
-        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot",
+        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n",
     )
 
     def __init__(
@@ -66,6 +69,7 @@ class DecodeWorker:
         self.just_prefilled = False
         self.stall_extra, self.stall_n = 0.0, 0
         self.breach = 0
+        self.gaps_d, self.gaps_n = 0.0, 0  # plain gaps of gaps_d ms not yet filed in hist
         self.busy_ms, self._busy_since = 0.0, 0.0
         self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
 
@@ -249,8 +253,10 @@ class DecodeWorker:
         self.stall_extra = 0.0
         plain = b - len(fresh) - stalled + (k - 1) * b
         if plain:
-            key = int(d * 100.0 + 0.5)
-            hist[key] = hist.get(key, 0) + plain
+            if d != self.gaps_d:
+                self.flush_gaps()
+                self.gaps_d = d
+            self.gaps_n += plain
             if d > slo:
                 self.breach += 1
                 if k == 1:
@@ -268,7 +274,9 @@ class DecodeWorker:
         self.t0 = now
         running = self.running
         if running and running[0][0] <= steps:
-            n = bisect_right(running, (steps, math.inf))  # every (finish <= steps, rid, req)
+            n = 1  # finished: every (finish <= steps, rid, req) at the front, usually one
+            while n < len(running) and running[n][0] <= steps:
+                n += 1
             done = running[:n]
             del running[:n]
             for _, _, req in done:
@@ -278,6 +286,13 @@ class DecodeWorker:
                 self._grant_waiting(now)
 
     # ---- observation ---------------------------------------------------------------
+
+    def flush_gaps(self) -> None:
+        """File the plain gaps counted since the last flush (each ``gaps_d`` ms) into ``hist``."""
+        if self.gaps_n:
+            key = int(self.gaps_d * 100.0 + 0.5)
+            self.hist[key] = self.hist.get(key, 0) + self.gaps_n
+            self.gaps_n = 0
 
     def busy_until(self, end: float) -> float:
         return self.busy_ms + (end - self._busy_since if self.mode != IDLE else 0.0)

@@ -65,8 +65,7 @@ class Distribution:
         """A zero-argument function drawing from ``rng`` (fast path for the simulator)."""
         lo, p = self.minimum, self.params
         if self.kind == "fixed":
-            value = int(round(p[0]))
-            return lambda: value
+            return itertools.repeat(int(round(p[0]))).__next__  # a constant, drawn without a Python call
         if self.kind == "uniform":
             a, b = int(p[0]), int(p[1])
             return lambda: rng.randint(a, b)

@@ -150,21 +150,25 @@ class Pipe:
 class KvLink:
     """``n`` independent pipes; ``on_done(flow, now)`` fires when a flow's last byte lands."""
 
-    __slots__ = ("pipes", "_only")
+    __slots__ = ("pipes", "send", "load")
 
     def __init__(self, events: EventQueue, n: int, bytes_per_s: float, setup_ms: float, max_active: int, on_done: Done) -> None:
         self.pipes = [Pipe(events, bytes_per_s, setup_ms, max_active, on_done) for _ in range(n)]
-        self._only = self.pipes[0] if n == 1 else None  # the usual single pipe: no choice to make
+        # send(flow, nbytes, now): start a flow on the least-busy pipe.
+        # load(now): that pipe's LinkLoad, what a transfer sent now would compete with.
+        self.send: Callable[[Any, float, float], None] = self._send_least_busy
+        self.load: Callable[[float], LinkLoad] = self._load_least_busy
+        if n == 1:  # the usual single pipe: no choice to make, call it directly
+            self.send, self.load = self.pipes[0].start, self.pipes[0].load
 
     def least_busy(self) -> Pipe:
-        return self._only or min(self.pipes, key=lambda p: p.active)
+        return min(self.pipes, key=lambda p: p.active)
 
-    def load(self, now: float) -> LinkLoad:
-        """The least-busy pipe's load: what a transfer sent now would compete with."""
-        return (self._only or self.least_busy()).load(now)
+    def _load_least_busy(self, now: float) -> LinkLoad:
+        return self.least_busy().load(now)
 
-    def send(self, flow: Any, nbytes: float, now: float) -> None:
-        (self._only or self.least_busy()).start(flow, nbytes, now)
+    def _send_least_busy(self, flow: Any, nbytes: float, now: float) -> None:
+        self.least_busy().start(flow, nbytes, now)
 
     def active(self) -> int:
         return sum(p.active for p in self.pipes)

@@ -72,16 +72,12 @@ class Metrics:
     rejections: Counter[str] = field(default_factory=Counter)
     failure_actions: Counter[str] = field(default_factory=Counter)
     cleanups: Counter[str] = field(default_factory=Counter)
-    # plain dicts with every stage preset (several updates per request: cheaper than a Counter)
+    # one wait of ms in stage: wait_sum_ms[stage] += ms; wait_n[stage] += 1 (every stage of WAITS
+    # preset: plain dicts, several updates per request)
     wait_sum_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAITS, 0.0))
     wait_n: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WAITS, 0))
     sample_t_ms: list[float] = field(default_factory=list)
     samples: dict[str, list[int]] = field(default_factory=lambda: {s: [] for s in STAGES})
-
-    def wait(self, stage: str, ms: float) -> None:
-        """Record one wait of ``ms`` in ``stage`` (one of ``WAITS``)."""
-        self.wait_sum_ms[stage] += ms
-        self.wait_n[stage] += 1
 
     def mean_waits(self) -> dict[str, float]:
         return {stage: self.wait_sum_ms[stage] / n for stage, n in sorted(self.wait_n.items()) if n}

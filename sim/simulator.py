@@ -65,6 +65,7 @@ class Simulator:
         self.truth = CostModel(cfg.service)  # stage timings (ground truth)
         self.events = ev = EventQueue()
         self.m = Metrics()
+        self._wait_ms, self._waits = self.m.wait_sum_ms, self.m.wait_n  # per-stage wait sums and counts
         colocated = cfg.placement == COLOCATED
         self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done)
         n_prefill = 0 if colocated else cfg.prefill_workers
@@ -119,6 +120,8 @@ class Simulator:
         finally:
             if collecting:
                 gc.enable()
+        for w in self.decode:
+            w.flush_gaps()
         end = self._last_retired  # the run ends when the last request is done (not at the last sample)
         busy = {
             "encoder": self.encoders.busy_ms(end),
@@ -171,7 +174,8 @@ class Simulator:
     # ---- encode and place ----------------------------------------------------------
 
     def _encode_start(self, req: SimRequest, now: float, server: Server) -> None:
-        self.m.wait("encoder", now - req.t_mark)
+        self._wait_ms["encoder"] += now - req.t_mark
+        self._waits["encoder"] += 1
 
     def _encode_done(self, req: SimRequest, now: float, server: Server) -> None:
         self._place(req, now)
@@ -240,14 +244,15 @@ class Simulator:
             req.chunk_bytes = [self.truth.kv_bytes(c) for c in self.truth.chunk_sizes(req.tokens, chunk)]
             service = ready[-1]
         else:
-            ready, req.chunk_bytes = [], None
+            req.chunk_bytes = None
             service = self.truth.prefill_ms(req.tokens)
         req.prefill_done, req.chunks_ready, req.chunks_sent = False, 0, 0
         req.t_mark = now
         server.submit(req, service, now)
 
     def _prefill_start(self, req: SimRequest, now: float, server: Server) -> None:
-        self.m.wait("prefill", now - req.t_mark)
+        self._wait_ms["prefill"] += now - req.t_mark
+        self._waits["prefill"] += 1
         if req.chunk_bytes is not None:
             for t in self.truth.chunk_ready_ms(req.tokens, self._transfer_chunks)[:-1]:  # type: ignore[arg-type]
                 self.events.at(now + t, self._chunk_ready, req)
@@ -269,7 +274,8 @@ class Simulator:
 
     def reservation_granted(self, req: SimRequest, now: float) -> None:
         req.reserved = True
-        self.m.wait("kv_reservation", now - req.t_reserve)
+        self._wait_ms["kv_reservation"] += now - req.t_reserve
+        self._waits["kv_reservation"] += 1
         if req.resend_full or req.chunk_bytes is None:
             if req.prefill_done:
                 self._send_full(req, now)
@@ -299,7 +305,8 @@ class Simulator:
         if self.cfg.failure_prob and self._fail_rng.random() < self.cfg.failure_prob:
             self._transfer_failed(req, now)
             return
-        self.m.wait("link", now - req.t_send)
+        self._wait_ms["link"] += now - req.t_send
+        self._waits["link"] += 1
         req.t_mark = now
         req.worker.land(req, now)  # type: ignore[union-attr]
 
@@ -344,13 +351,15 @@ class Simulator:
     # ---- host callbacks from decode workers ----------------------------------------
 
     def local_prefill_started(self, req: SimRequest, now: float) -> None:
-        self.m.wait("local_prefill", now - req.t_mark)
+        self._wait_ms["local_prefill"] += now - req.t_mark
+        self._waits["local_prefill"] += 1
 
     def first_token(self, req: SimRequest, t: float) -> None:
         req.t_first = t
         self.m.ttft_ms.append(t - req.arrival)
         if not req.local:  # remote: from KV landing to the first decode step's token
-            self.m.wait("decode_join", t - req.t_mark)
+            self._wait_ms["decode_join"] += t - req.t_mark
+            self._waits["decode_join"] += 1
 
     def finished(self, req: SimRequest, now: float, worker: DecodeWorker) -> None:
         m = self.m

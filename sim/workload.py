@@ -131,9 +131,11 @@ class Workload:
         images = self.mix.images.sampler(rng)
         mean_gap_ms = 1000.0 / self.rate
         expo, t = gaps.expovariate, 0.0
-        request = self._request
-        for _ in range(self.requests):
-            yield request(t, prompt(), output(), images(), rng)
+        hit, image_tokens = self.mix.cache_hit_ratio, self.mix.image_tokens
+        for _ in range(self.requests):  # _request's body, inlined: this loop runs once per request
+            p, o, n = prompt(), output(), images()
+            cached = sum(1 for _ in range(n) if rng.random() < hit) if n and hit else 0
+            yield (t, p + n * image_tokens, o, n, cached)
             t += expo(1.0) * mean_gap_ms
 
     def _bursts(self) -> Iterator[Arrival]:
