@@ -279,12 +279,17 @@ def choose_placement(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not itl_slo_ms > 0:
         raise ValueError(f"itl_slo_ms must be > 0, got {itl_slo_ms}")
-    decode = [w for w in loads.decode if w.free_blocks is None or has_capacity(shape, w)]
+    forced_remote = mode == REMOTE and bool(loads.prefill)
+    decode: list[DecodeWorkerLoad] = []  # the workers with the KV blocks this request needs
+    local_capable: list[DecodeWorkerLoad] = []  # ... that may also prefill it (colocated)
+    for w in loads.decode:
+        if w.free_blocks is None or has_capacity(shape, w):
+            decode.append(w)
+            if w.accepts_local_prefill and not forced_remote:
+                local_capable.append(w)
     if not decode:
         return None
     enc = 0.0 if loads.encoder is None else estimate_encode_ms(shape, loads.encoder, cost_model)
-    forced_remote = mode == REMOTE and bool(loads.prefill)
-    local_capable = [] if forced_remote else [w for w in decode if w.accepts_local_prefill]
     local = remote = None
     prompt_ms = cost_model.prefill_ms(shape.prompt_tokens)  # shared by every worker without a cached prefix
     if local_capable:
