@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import heapq
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -130,13 +131,13 @@ class Workload:
         prompt, output = self.mix.prompt_tokens.sampler(rng), self.mix.output_tokens.sampler(rng)
         images = self.mix.images.sampler(rng)
         mean_gap_ms = 1000.0 / self.rate
-        expo, t = gaps.expovariate, 0.0
+        uniform, log, t = gaps.random, math.log, 0.0
         hit, image_tokens = self.mix.cache_hit_ratio, self.mix.image_tokens
         for _ in range(self.requests):  # _request's body, inlined: this loop runs once per request
             p, o, n = prompt(), output(), images()
             cached = sum(1 for _ in range(n) if rng.random() < hit) if n and hit else 0
             yield (t, p + n * image_tokens, o, n, cached)
-            t += expo(1.0) * mean_gap_ms
+            t += -log(1.0 - uniform()) * mean_gap_ms  # Exp(1) by inversion: what gaps.expovariate(1.0) draws
 
     def _bursts(self) -> Iterator[Arrival]:
         rng = random.Random(f"epd-sim/{self.seed}/bursts")
