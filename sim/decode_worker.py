@@ -237,13 +237,12 @@ class DecodeWorker:
         k = int((now - self.t0) / d + 0.5)
         if k <= 0:
             return
-        b, fresh, hist, slo = len(self.running), self.fresh, self.hist, self.slo
-        stalled = self.stall_n
+        running, fresh, stalled = self.running, self.fresh, self.stall_n
         if stalled:
             gap = d + self.stall_extra
             key = int(gap * 100.0 + 0.5)
-            hist[key] = hist.get(key, 0) + stalled
-            if gap > slo:
+            self.hist[key] = self.hist.get(key, 0) + stalled
+            if gap > self.slo:
                 self.breach += 1
                 for r in fresh:
                     r.breach_base += 1
@@ -251,13 +250,14 @@ class DecodeWorker:
                     r.breach_base += 1
             self.stall_n = 0
         self.stall_extra = 0.0
+        b = len(running)
         plain = b - len(fresh) - stalled + (k - 1) * b
         if plain:
             if d != self.gaps_d:
                 self.flush_gaps()
                 self.gaps_d = d
             self.gaps_n += plain
-            if d > slo:
+            if d > self.slo:
                 self.breach += 1
                 if k == 1:
                     for r in fresh:
@@ -272,7 +272,6 @@ class DecodeWorker:
         self.just_prefilled = False
         self.steps = steps = self.steps + k
         self.t0 = now
-        running = self.running
         if running and running[0][0] <= steps:
             n = 1  # finished: every (finish <= steps, rid, req) at the front, usually one
             while n < len(running) and running[n][0] <= steps:

@@ -8,8 +8,8 @@ stale events (``callback(now, arg)`` compares ``arg`` to its current version).
 from __future__ import annotations
 
 import itertools
-from heapq import heappop, heappush
 from collections.abc import Callable
+from heapq import heappop, heappush
 from typing import Any
 
 Callback = Callable[[float, Any], None]
