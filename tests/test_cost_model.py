@@ -52,6 +52,18 @@ def test_chunk_helpers(cm: CostModel) -> None:
         cm.chunk_sizes(10, 0)
 
 
+def test_chunk_times_are_memoized_but_follow_a_refit() -> None:
+    cm = CostModel(window=64, min_points=2)
+    first = cm.chunk_times(4500, 2000)
+    assert first == tuple(cm.chunk_ms(c, i == 0) for i, c in enumerate(cm.chunk_sizes(4500, 2000)))
+    assert cm.chunk_times(4500, 2000) is first  # served from the memo
+    cm.observe_prefill(100, 5.0 + 0.1 * 100)
+    cm.observe_prefill(300, 5.0 + 0.1 * 300)  # refit: 5 + 0.1 x tokens
+    assert cm.chunk_times(4500, 2000) == pytest.approx((5.0 + 200.0, 200.0, 50.0))
+    with pytest.raises(ValueError):
+        cm.chunk_times(10, 0)
+
+
 def test_chunk_overhead_is_paid_per_chunk() -> None:
     cm = CostModel(ServiceTimes(prefill_chunk_overhead_ms=5.0))
     assert cm.chunk_ready_ms(6000, 2000) == pytest.approx([95.0, 170.0, 245.0])
