@@ -8,11 +8,15 @@ defaults: the chapter's worked-example mix (6,000-token prompts, 400-token
 outputs) at 3 req/s on 1 prefill + 2 decode workers, which keeps every stage busy
 (decode slots ~84% occupied) but stable. Use ``--prefill-workers 2
 --decode-workers 4 --rate 6`` for a bigger cluster. Not a timed test.
+
+The machine's 1-minute load average is printed before and after the run: on a
+shared machine a busy neighbour inflates the wall (and CPU) time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         placement=args.placement, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, seed=args.seed
     )
     workload = Workload(rate=args.rate, requests=args.requests, seed=args.seed)
+    load_before = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
     result = simulate(config, workload)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    load_after = os.getloadavg()[0]
     report = summarize(result, series=False)
     print(
         f"{args.requests:,} requests ({args.placement}) in {wall:.1f} s wall, {cpu:.1f} s CPU: "
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ttft p50/p99 {report['ttft_ms_p50']}/{report['ttft_ms_p99']} ms, itl p99 {report['itl_ms_p99']} ms, "
         f"goodput {report['goodput_rps']} req/s ({report['goodput_fraction']} of requests)"
     )
+    print(f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after, {os.cpu_count()} CPUs")
     return 0
 
 
