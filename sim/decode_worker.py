@@ -13,6 +13,9 @@ Invariants:
   ``s + n``. The worker therefore schedules one event per membership change, not
   one per step.
 - ``running + reserved + prefilling <= slots`` (and KV tokens <= ``kv_tokens``).
+- ``claimed == running + reserved + prefilling + len(prealloc) + len(local_q)``: a
+  request claims a slot from ``reserve`` / ``submit_local`` until it finishes or its
+  reservation is released; moving between those queues leaves ``claimed`` unchanged.
 - a whole-prompt local prefill runs between two steps and stalls every running
   sequence: their next gap is ``prefill + step``. After one, at least one decode
   step runs before the next prefill (prefill and decode alternate). A chunked
@@ -43,7 +46,7 @@ class DecodeWorker:
         "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
-        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n",
+        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
     )
 
     def __init__(
@@ -59,6 +62,7 @@ class DecodeWorker:
         self.t0, self.d, self.steps = 0.0, 0.0, 0
         self.running: list[tuple[int, int, Any]] = []  # (finish step, rid, req), sorted: [0] finishes first
         self.reserved = 0
+        self.claimed = 0  # slots running, reserved, prefilling or promised to queued requests
         self.prealloc: deque[Any] = deque()
         self.pending: list[Any] = []
         self.fresh: list[Any] = []  # joined remotely, first token not yet out
@@ -81,13 +85,13 @@ class DecodeWorker:
 
     def free_slots(self) -> int:
         """Slots not running, reserved, prefilling or promised to queued requests."""
-        used = len(self.running) + self.reserved + (self.local_active is not None)
-        return max(0, self.slots - used - len(self.prealloc) - len(self.local_q))
+        return max(0, self.slots - self.claimed)
 
     # ---- remote path ---------------------------------------------------------------
 
     def reserve(self, req: Any, now: float) -> None:
         """Ask for a slot; ``host.reservation_granted(req, now)`` fires when it is held."""
+        self.claimed += 1
         if not self.prealloc and self._fits(req):
             self._grant(req, now)
         else:
@@ -106,6 +110,7 @@ class DecodeWorker:
     def release(self, req: Any, now: float) -> None:
         """Give back a granted reservation (transfer failed or request moved)."""
         self.reserved -= 1
+        self.claimed -= 1
         self.kv_used -= req.kv_need
         self._grant_waiting(now)
         if self.local_q:
@@ -121,6 +126,7 @@ class DecodeWorker:
     def submit_local(self, req: Any, now: float) -> None:
         """Queue a colocated request (``req.prefill_ms``, ``req.local_chunks``) for local prefill."""
         self.local_q.append(req)
+        self.claimed += 1
         self.local_backlog += req.prefill_ms
         self.wake(now)
 
@@ -228,6 +234,7 @@ class DecodeWorker:
         else:  # a one-token answer: the prefill made it, no gaps to judge
             req.breach_base = self.breach
             self.kv_used -= req.kv_need
+            self.claimed -= 1
             self._host.finished(req, now, self)
             self._grant_waiting(now)
 
@@ -278,6 +285,7 @@ class DecodeWorker:
                 n += 1
             done = running[:n]
             del running[:n]
+            self.claimed -= n
             for _, _, req in done:
                 self.kv_used -= req.kv_need
                 self._host.finished(req, now, self)
@@ -304,8 +312,7 @@ class DecodeWorker:
         """
         snap = self.snapshot
         running = len(self.running)
-        used = running + self.reserved + (self.local_active is not None)
-        free = self.slots - used - len(self.prealloc) - len(self.local_q)
+        free = self.slots - self.claimed
         snap.running_seqs = running
         snap.free_blocks = None if self.kv_cap is None else self.kv_cap - self.kv_used
         if free > 0 and self.local_active is None and not self.local_q:  # the common, time-free case

@@ -12,7 +12,8 @@ from sim import simulate_cli
 from sim.config import ConfigError, SimConfig
 from sim.distributions import DistributionError, fixed, parse_distribution
 from sim.report import summarize
-from sim.simulator import SimResult, simulate
+from sim.request import SimRequest
+from sim.simulator import SimResult, Simulator, simulate
 from sim.workload import Burst, RequestMix, Workload, WorkloadError, load_trace
 
 REMOTE_TTFT = 20 + 0.035 * 6000 + 12 + 6000 * 320 * 1024 * 1000 / (22 * GIB) + 45  # 370.23 ms
@@ -161,6 +162,31 @@ def test_attempts_are_bounded() -> None:
     _conserved(result)
     assert result.metrics.failed > 0
     assert result.metrics.transfers <= 2 * 40
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_decode_slot_counter_matches_the_queues(held: bool) -> None:
+    # DecodeWorker.claimed is kept incrementally; check it against the queues it counts
+    # before every placement, with local prefills, failures, moves and a KV cap in play.
+    config = SimConfig(
+        placement="conditional", prefill_workers=1, decode_workers=2, failure_prob=0.3, chunked_prefill=True,
+        reservation_held_on_failure=held, decode_kv_tokens=40_000, ttft_slo_ms=3000,
+    )
+    sim = Simulator(config)
+    workers, place, checks = sim.decode, sim._place, [0]
+
+    def checked_place(req: SimRequest, now: float) -> None:
+        for w in workers:
+            queued = len(w.running) + w.reserved + (w.local_active is not None) + len(w.prealloc) + len(w.local_q)
+            assert w.claimed == queued
+        checks[0] += 1
+        place(req, now)
+
+    sim._place = checked_place  # type: ignore[method-assign]
+    result = sim.run(Workload(RequestMix(parse_distribution("mix:300@0.7,6000@0.3"), fixed(30)), rate=3.0, requests=400, seed=5))
+    _conserved(result)
+    assert checks[0] == 400 and result.metrics.transfer_failures > 0 and result.metrics.placements["colocated"] > 0
+    assert all(w.claimed == 0 for w in workers)
 
 
 def test_admission_refuses_hopeless_requests() -> None:
