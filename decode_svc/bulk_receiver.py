@@ -133,8 +133,8 @@ class _InPlace:
 
     def finish(self) -> ChunkResult:
         self.attempt.landing.discard(self.header.chunk_index)
-        if self.lost is not None or not self._still_owned():
-            return self.lost.result if self.lost else ChunkResult(ChunkOutcome.REJECTED, "reservation released")
+        if self.lost is not None:   # ownership is checked before every read, so this is the only way to lose it
+            return self.lost.result
         if self.attempt.state.terminal:            # another stream failed this attempt meanwhile
             return ChunkResult(ChunkOutcome.REJECTED, f"transfer failed: {self.attempt.detail}")
         if checksum_digest(self.hasher) != self.header.checksum:
@@ -213,10 +213,7 @@ class _BulkProtocol(asyncio.BufferedProtocol):
             return _Discard(header.payload_bytes, None)
         if not receiver.pool.host_resident:
             return _Staged(self.server, header, corrupt=fate == "corrupt")
-        res, refused = receiver.admit(header)
-        if refused is None and header.payload_bytes != receiver.chunk_nbytes(header):
-            refused = receiver.fail(res, f"payload of {header.payload_bytes} bytes != "
-                                         f"{receiver.chunk_nbytes(header)} for the shape")
+        res, refused = receiver.admit(header, header.payload_bytes)
         if refused is not None:
             return _Discard(header.payload_bytes, refused)
         views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end)

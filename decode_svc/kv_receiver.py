@@ -57,9 +57,10 @@ class KVReceiver:
         self.table = table
         self.pool = pool
 
-    def admit(self, chunk: pb.KVChunk) -> tuple[Reservation | None, ChunkResult | None]:
-        """Every check that needs only the header. ``(res, None)`` means the payload may land
-        in ``res``'s blocks; otherwise the result says why not (and nothing is written)."""
+    def admit(self, chunk: pb.KVChunk, payload_bytes: int) -> tuple[Reservation | None, ChunkResult | None]:
+        """Every check that needs only the header and the payload's size. ``(res, None)`` means
+        the payload may land in ``res``'s blocks; otherwise the result says why not (and nothing
+        is written)."""
         res = self.table.get(chunk.reservation.reservation_id)
         if res is None or res.released:
             return None, ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
@@ -74,6 +75,8 @@ class KVReceiver:
         if chunk.chunk_index in attempt.received or chunk.chunk_index in attempt.landing:
             return None, ChunkResult(ChunkOutcome.DUPLICATE, f"chunk {chunk.chunk_index} already landed")
         problem = self._validate_header(chunk, res.prompt_tokens)
+        if not problem and payload_bytes != self.chunk_nbytes(chunk):
+            problem = f"payload of {payload_bytes} bytes != {self.chunk_nbytes(chunk)} for the shape"
         if problem:
             return None, self.fail(res, problem)
         return res, None
@@ -81,14 +84,12 @@ class KVReceiver:
     def land(self, chunk: pb.KVChunk, payload: bytes | memoryview | None = None) -> ChunkResult:
         """Land one whole chunk: over gRPC ``payload`` is the message's own field; the bulk path
         passes a staged buffer when the pool cannot be written in place (not on the CPU)."""
-        res, refused = self.admit(chunk)
-        if refused is not None:
-            return refused
         if payload is None:
             # one read of the field: each read of a bytes field of a (upb) message is a fresh copy
             payload = chunk.payload
-        if len(payload) != self.chunk_nbytes(chunk):
-            return self.fail(res, f"payload of {len(payload)} bytes != {self.chunk_nbytes(chunk)} for the shape")
+        res, refused = self.admit(chunk, len(payload))
+        if refused is not None:
+            return refused
         if payload_checksum(payload) != chunk.checksum:
             return self.fail(res, f"checksum mismatch on chunk {chunk.chunk_index}")
         with warnings.catch_warnings():  # read-only message buffer: we only copy out of it

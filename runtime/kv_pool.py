@@ -144,7 +144,7 @@ class KVBlockPool:
         if not self.host_resident:
             return None
         runs = self.runs(blocks, start, end)
-        as_bytes = self._flat.view(torch.uint8) if self._flat.dtype != torch.uint8 else self._flat
+        as_bytes = self._flat.view(torch.uint8)
         return [
             memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
             for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs

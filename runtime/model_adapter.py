@@ -175,10 +175,11 @@ class VLMAdapter:
         for item in items:
             q_len = item.embeds.shape[0]
             end = item.start + q_len
-            for _, slot, length in pool.runs(item.blocks, item.start, end):   # the new tokens' own slots
-                new_slots.extend(range(slot, slot + length))
             context = pool.runs(item.blocks, 0, end)
             spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context]))
+            for pos, slot, length in context:   # the new tokens' own slots: the context's tail
+                if pos + length > item.start:
+                    new_slots.extend(range(slot + max(0, item.start - pos), slot + length))
             positions.extend(range(item.start, end))
             offset += q_len
         slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=self.device)
