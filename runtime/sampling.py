@@ -11,10 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature sampling is greedy: dividing logits by a (possibly subnormal) tiny
+# temperature overflows to inf and softmax turns it into NaN. vLLM draws the same line.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0 => greedy
+    temperature: float = 0.0   # 0 (or below GREEDY_BELOW_TEMPERATURE) => greedy
     top_p: float = 1.0
     seed: int | None = None
 
@@ -26,7 +30,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
