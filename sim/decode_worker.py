@@ -20,6 +20,10 @@ Invariants:
   sequence: their next gap is ``prefill + step``. After one, at least one decode
   step runs before the next prefill (prefill and decode alternate). A chunked
   local prefill instead fuses one chunk into each step: gap ``chunk + step``.
+- a remote request's first token is the prefill's: it is emitted when the KV lands
+  (as the real decode worker emits it on insertion), and the batch makes the other
+  ``output - 1``; its first gap runs from landing to the end of its first step. A
+  one-token answer finishes at landing and never joins the batch.
 - ITL: every inter-token gap is counted in ``hist`` (gap in 1/100 ms -> count); a request's
   ITL SLO holds when no gap it saw exceeded ``itl_slo_ms``, tracked with the
   ``breach`` counter (a request snapshots it on joining and compares on leaving).
@@ -47,6 +51,7 @@ class DecodeWorker:
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
         "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
+        "join_wait_ms", "joins",
     )
 
     def __init__(
@@ -75,6 +80,7 @@ class DecodeWorker:
         self.breach = 0
         self.gaps_d, self.gaps_n = 0.0, 0  # plain gaps of gaps_d ms not yet filed in hist
         self.busy_ms, self._busy_since = 0.0, 0.0
+        self.join_wait_ms, self.joins = 0.0, 0  # remote requests: landing -> joining the batch
         self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
 
     # ---- capacity ------------------------------------------------------------------
@@ -117,9 +123,24 @@ class DecodeWorker:
             self.wake(now)
 
     def land(self, req: Any, now: float) -> None:
-        """The request's KV is here: it joins the batch at the next step boundary."""
-        self.pending.append(req)
-        self.wake(now)
+        """The request's KV (and the prefill's first token, emitted now) is here.
+
+        It joins the batch at the next step boundary for its ``decode_tokens`` more; with
+        none left (a one-token answer) it finishes here and frees its reservation.
+        """
+        self._host.first_token(req, now)
+        if req.decode_tokens > 0:
+            self.pending.append(req)
+            self.wake(now)
+            return
+        self.reserved -= 1
+        self.claimed -= 1
+        self.kv_used -= req.kv_need
+        req.breach_base = self.breach
+        self._host.finished(req, now, self)
+        self._grant_waiting(now)
+        if self.local_q:
+            self.wake(now)
 
     # ---- local path ----------------------------------------------------------------
 
@@ -161,7 +182,7 @@ class DecodeWorker:
             req.chunk_i += 1
             if req.chunk_i < len(req.local_chunks):
                 if self.pending:
-                    self._join_pending()
+                    self._join_pending(now)
                 self._start_chunk(now)
                 return
             self._local_done(now)
@@ -171,7 +192,7 @@ class DecodeWorker:
     def _boundary(self, now: float) -> None:
         """At a step boundary with nothing computing: admit, then prefill or step or idle."""
         if self.pending:
-            self._join_pending()
+            self._join_pending(now)
         queue = self.local_q
         if queue and (not self.just_prefilled or not self.running) and self._fits(queue[0]):
             self._start_local(queue.popleft(), now)
@@ -188,11 +209,13 @@ class DecodeWorker:
             self.next_t = math.inf
             self.busy_ms += now - self._busy_since
 
-    def _join_pending(self) -> None:
+    def _join_pending(self, now: float) -> None:
         for req in self.pending:
             insort(self.running, (self.steps + req.decode_tokens, req.rid, req))
             req.breach_base = self.breach
             self.fresh.append(req)
+            self.join_wait_ms += now - req.t_first
+        self.joins += len(self.pending)
         self.reserved -= len(self.pending)
         self.pending.clear()
 
@@ -269,10 +292,14 @@ class DecodeWorker:
                 if k == 1:
                     for r in fresh:
                         r.breach_base += 1
-        if fresh:
-            first = self.t0 + d
+        if fresh:  # each one's first gap: from its landing (first token) to its first step's token
+            end, hist, slo = self.t0 + d, self.hist, self.slo
             for r in fresh:
-                self._host.first_token(r, first)
+                gap = end - r.t_first
+                key = int(gap * 100.0 + 0.5)
+                hist[key] = hist.get(key, 0) + 1
+                if gap > slo:
+                    r.breach_base = -1  # never equal to the counter: this request saw a breach
             fresh.clear()
         if self.joined_local:
             self.joined_local.clear()

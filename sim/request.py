@@ -28,7 +28,7 @@ class SimRequest:
         self.arrival, self.tokens, self.output, self.images, self.cached = spec
         self.kv_need = self.tokens + self.output
         self.deadline = self.arrival + ttft_slo_ms
-        self.decode_tokens = self.output
+        self.decode_tokens = self.output - 1  # the prefill makes the first token (local and remote)
         self.prefill_ms = 0.0
         self.local_chunks: list[float] | None = None
         self.chunk_i = self.breach_base = self.attempts = 0

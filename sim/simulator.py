@@ -6,8 +6,8 @@ Request lifecycle, as queues (each hop is a state change):
             -> placement (runtime.placement_policy: choose_placement, or admit)
     colocated:  decode worker X's local queue -> local prefill on X -> X's batch -> done
     remote:     prefill queue -> prefill worker (reserves a slot on X when it starts)
-                -> KV link (after prefill, or chunk by chunk) -> X's pending joins
-                -> X's batch -> done
+                -> KV link (after prefill, or chunk by chunk) -> first token (the
+                prefill's, emitted as the KV lands) -> X's pending joins -> X's batch -> done
     on a failed transfer: runtime.placement_policy.on_transfer_failure decides
                 retry / other_decode / reprefill / fail; released state is counted
                 in ``cleanups``.
@@ -122,6 +122,9 @@ class Simulator:
                 gc.enable()
         for w in self.decode:
             w.flush_gaps()
+            if w.joins:  # remote requests: from KV landing to joining the batch
+                self.m.wait_sum_ms["decode_join"] += w.join_wait_ms
+                self.m.wait_n["decode_join"] += w.joins
         end = self._last_retired  # the run ends when the last request is done (not at the last sample)
         busy = {
             "encoder": self.encoders.busy_ms(end),
@@ -217,7 +220,6 @@ class Simulator:
         req.t_mark = now
         if decision.placement == COLOCATED:
             req.local = True
-            req.decode_tokens = req.output - 1  # the prefill makes the first token
             req.prefill_ms = self.truth.prefill_ms(req.tokens)
             if self._local_chunks is not None and req.tokens > self._local_chunks:
                 req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
@@ -357,9 +359,6 @@ class Simulator:
     def first_token(self, req: SimRequest, t: float) -> None:
         req.t_first = t
         self.m.ttft_ms.append(t - req.arrival)
-        if not req.local:  # remote: from KV landing to the first decode step's token
-            self._wait_ms["decode_join"] += t - req.t_mark
-            self._waits["decode_join"] += 1
 
     def finished(self, req: SimRequest, now: float, worker: DecodeWorker) -> None:
         m = self.m
