@@ -57,6 +57,15 @@ class ServiceTimes:
     transfer_ms(bytes)     = link_setup_ms + 1000 x bytes / link_bytes_per_s
     encode_ms(new, cached) = encode_base_ms + encode_ms_per_image x new
                              + encode_cache_hit_ms x cached   (0 when no images)
+
+    The gateway and the host (0, the defaults, leave them out of the model):
+    gateway_request_ms     = the gateway's CPU per request before its pipeline starts
+                             (body, images, tokenizing, admission): a one-server stage
+                             (one event loop) every request passes before encode
+    gateway_finish_ms      = the rest of the gateway's CPU per request (RPCs, streaming,
+                             release), charged to that stage when the request finishes
+    host_cores             = N > 0: every stage's work takes turns on N shared cores
+                             (``sim/host_cpu.py``); 0: each worker has its own processor
     """
 
     prefill_base_ms: float = 20.0
@@ -71,6 +80,9 @@ class ServiceTimes:
     encode_base_ms: float = 10.0
     encode_ms_per_image: float = 40.0
     encode_cache_hit_ms: float = 1.0
+    gateway_request_ms: float = 0.0
+    gateway_finish_ms: float = 0.0
+    host_cores: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -79,10 +91,10 @@ class ServiceTimes:
                 raise ServiceTimesError(f"{f.name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ServiceTimesError(f"{f.name} must be finite and >= 0, got {value!r}")
-        for name in ("decode_slots", "kv_bytes_per_token"):
+        for name, least in (("decode_slots", 1), ("kv_bytes_per_token", 1), ("host_cores", 0)):
             value = getattr(self, name)
-            if value < 1 or int(value) != value:
-                raise ServiceTimesError(f"{name} must be an integer >= 1, got {value!r}")
+            if value < least or int(value) != value:
+                raise ServiceTimesError(f"{name} must be an integer >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))  # 32.0 from JSON -> 32
         if self.link_bytes_per_s <= 0:
             raise ServiceTimesError("link_bytes_per_s must be > 0")

@@ -23,6 +23,9 @@ _SERVICE_FLAGS: dict[str, tuple[str, float, type, str]] = {
     "--encode-base-ms": ("encode_base_ms", 1.0, float, "fixed encoder cost per request with images (default 10)"),
     "--encode-ms-per-image": ("encode_ms_per_image", 1.0, float, "encoder cost per image (default 40)"),
     "--encode-cache-hit-ms": ("encode_cache_hit_ms", 1.0, float, "cost of an encoder-cache hit (default 1)"),
+    "--gateway-request-ms": ("gateway_request_ms", 1.0, float, "gateway CPU per request before its pipeline (default 0: no gateway stage)"),
+    "--gateway-finish-ms": ("gateway_finish_ms", 1.0, float, "gateway CPU per request after it (default 0)"),
+    "--host-cores": ("host_cores", 1, int, "all stages share N cores (default 0: a processor per worker)"),
 }
 
 
@@ -43,7 +46,7 @@ def service_from_args(args: argparse.Namespace) -> ServiceTimes:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             scaled = value * factor
-            changes[field_name] = int(round(scaled)) if field_name in ("decode_slots", "kv_bytes_per_token") else scaled
+            changes[field_name] = int(round(scaled)) if field_name in ("decode_slots", "kv_bytes_per_token", "host_cores") else scaled
     return base.replace(**changes)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from runtime.placement_policy import DecodeWorkerLoad
 from sim.events import EventQueue
+from sim.host_cpu import HostCpu
 
 IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
 
@@ -51,7 +52,7 @@ class DecodeWorker:
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
         "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
-        "join_wait_ms", "joins",
+        "join_wait_ms", "joins", "per_step",
     )
 
     def __init__(
@@ -81,6 +82,7 @@ class DecodeWorker:
         self.gaps_d, self.gaps_n = 0.0, 0  # plain gaps of gaps_d ms not yet filed in hist
         self.busy_ms, self._busy_since = 0.0, 0.0
         self.join_wait_ms, self.joins = 0.0, 0  # remote requests: landing -> joining the batch
+        self.per_step = False  # True: one event per step (a shared host needs a core per step)
         self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
 
     # ---- capacity ------------------------------------------------------------------
@@ -201,7 +203,7 @@ class DecodeWorker:
             self.mode = STEPPING
             self.d = d = self.base + self.slope * len(self.running)
             self.t0 = now
-            steps_to_next = 1 if queue and self._fits(queue[0]) else self.running[0][0] - self.steps
+            steps_to_next = 1 if self.per_step or (queue and self._fits(queue[0])) else self.running[0][0] - self.steps
             self._schedule(now + steps_to_next * d)
         else:
             self.mode = IDLE
@@ -360,3 +362,53 @@ class DecodeWorker:
             slot_wait = max(0.0, (fin - done) * step)
         snap.free_slots, snap.queue_wait_ms, snap.slot_wait_ms = max(free, 0), queue_wait, slot_wait
         return snap
+
+
+class SharedDecodeWorker(DecodeWorker):
+    """A ``DecodeWorker`` on a shared host (``sim.host_cpu``): every step, whole local prefill
+    and chunk first waits for a core, then runs for its idle time.
+
+    One event per step (``per_step``), so the worker asks for a core again after each step.
+    A wait of ``w`` ms lengthens what it precedes, for exactly the tokens it delays:
+    a step's gap becomes ``w + step`` for every sequence in it (the step's ``d`` is
+    stretched, so first gaps, stalls and breaches follow); before a local prefill or a
+    chunk it adds to the stall the running sequences see.
+    """
+
+    __slots__ = ("_cpu", "_asked")
+
+    def __init__(self, *args: Any, cpu: HostCpu, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cpu = cpu
+        self._asked = 0.0
+        self.per_step = True
+
+    def _schedule(self, t: float) -> None:
+        now = self._events.now
+        self.version += 1
+        self.next_t = math.inf  # not known until a core is held
+        self._asked = now
+        self._cpu.acquire(now, self._granted, t - now)
+
+    def _granted(self, now: float, ms: float) -> None:
+        wait = now - self._asked
+        if wait > 0.0:
+            if self.mode == STEPPING:
+                self.d += wait  # t0 stays at the ask: the step (and every gap in it) spans the wait
+            elif self.mode == CHUNK:
+                self.t0 += wait
+                self.stall_extra += wait
+            else:  # PREFILL: the running sequences wait through it
+                self.stall_extra += wait
+        DecodeWorker._schedule(self, now + ms)
+
+    def _on_event(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        self._cpu.release(now)
+        DecodeWorker._on_event(self, now, version)
+
+    def wake(self, now: float) -> None:
+        """Start when idle; otherwise the running piece ends at a step boundary anyway (one step per event)."""
+        if self.mode == IDLE:
+            DecodeWorker.wake(self, now)

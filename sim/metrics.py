@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 STAGES = ("encoder", "prefill", "kv_reservation", "link", "decode_join", "local_prefill", "decode_running")
-WAITS = (*STAGES, "link_queue")  # keys of Metrics.wait_sum_ms / wait_n (a stage without waits keeps n = 0)
+WAITS = (*STAGES, "link_queue", "gateway", "host_core")  # keys of Metrics.wait_sum_ms / wait_n (a stage without waits keeps n = 0)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

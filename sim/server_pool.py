@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sim.events import EventQueue
+from sim.host_cpu import HostCpu
 
 Hook = Callable[[Any, float, "Server"], None]
 
@@ -61,9 +62,15 @@ class Server:
 class ServerPool:
     __slots__ = ("name", "servers")
 
-    def __init__(self, name: str, n: int, events: EventQueue, on_start: Hook, on_done: Hook) -> None:
+    def __init__(
+        self, name: str, n: int, events: EventQueue, on_start: Hook, on_done: Hook, cpu: HostCpu | None = None
+    ) -> None:
+        """``n`` servers, each with its own processor, or (with ``cpu``) taking turns on a shared host."""
         self.name = name
-        self.servers = [Server(i, f"{name}-{i}", events, on_start, on_done) for i in range(n)]
+        if cpu is None:
+            self.servers = [Server(i, f"{name}-{i}", events, on_start, on_done) for i in range(n)]
+        else:
+            self.servers = [SharedServer(i, f"{name}-{i}", events, on_start, on_done, cpu) for i in range(n)]
 
     def least_loaded(self, now: float) -> Server:
         return min(self.servers, key=lambda s: s.backlog_ms(now))
@@ -74,3 +81,33 @@ class ServerPool:
     def busy_ms(self, end: float) -> float:
         """Total busy time, clipped at ``end`` for jobs still running."""
         return sum(s.busy_ms - (max(0.0, s.busy_until - end) if s.busy else 0.0) for s in self.servers)
+
+
+class SharedServer(Server):
+    """A ``Server`` on a shared host: each job first waits for a core (``sim.host_cpu``).
+
+    The job counts as started (``on_start``) when it holds a core; ``backlog_ms`` cannot
+    see the core wait, so it is a lower bound here.
+    """
+
+    __slots__ = ("_cpu",)
+
+    def __init__(self, index: int, name: str, events: EventQueue, on_start: Hook, on_done: Hook, cpu: HostCpu) -> None:
+        super().__init__(index, name, events, on_start, on_done)
+        self._cpu = cpu
+
+    def _start(self, req: Any, service_ms: float, now: float) -> None:
+        self.busy = True
+        self.busy_until = now + service_ms  # until the core is granted: the wait is unknown
+        self._cpu.acquire(now, self._granted, (req, service_ms))
+
+    def _granted(self, now: float, job: tuple[Any, float]) -> None:
+        req, service_ms = job
+        self.busy_until = now + service_ms
+        self.busy_ms += service_ms
+        self._events.at(self.busy_until, self._done, req)
+        self._on_start(req, now, self)
+
+    def _done(self, now: float, req: Any) -> None:
+        self._cpu.release(now)
+        super()._done(now, req)

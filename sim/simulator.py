@@ -2,7 +2,8 @@
 
 Request lifecycle, as queues (each hop is a state change):
 
-    arrival -> [encoder queue -> encoder]            (only with images)
+    arrival -> [gateway queue -> gateway]            (only when gateway_request_ms > 0)
+            -> [encoder queue -> encoder]            (only with images to encode)
             -> placement (runtime.placement_policy: choose_placement, or admit)
     colocated:  decode worker X's local queue -> local prefill on X -> X's batch -> done
     remote:     prefill queue -> prefill worker (reserves a slot on X when it starts)
@@ -11,6 +12,10 @@ Request lifecycle, as queues (each hop is a state change):
     on a failed transfer: runtime.placement_policy.on_transfer_failure decides
                 retry / other_decode / reprefill / fail; released state is counted
                 in ``cleanups``.
+
+With ``host_cores`` N > 0 in the service times, every stage's work (gateway, encode,
+prefill, decode steps, local prefill) takes turns on N shared cores (``sim.host_cpu``);
+with 0 (the default) each worker has its own processor and nothing here changes.
 
 The placement and failure decisions are the gateway's own functions, fed the same
 load snapshots a gateway would see. Stage timings are the ``ServiceTimes`` in
@@ -36,8 +41,9 @@ from runtime.placement_policy import (
     on_transfer_failure,
 )
 from sim.config import SimConfig
-from sim.decode_worker import DecodeWorker
+from sim.decode_worker import DecodeWorker, SharedDecodeWorker
 from sim.events import EventQueue
+from sim.host_cpu import HostCpu
 from sim.kv_link import KvLink
 from sim.metrics import Metrics
 from sim.request import SimRequest
@@ -67,16 +73,20 @@ class Simulator:
         self.m = Metrics()
         self._wait_ms, self._waits = self.m.wait_sum_ms, self.m.wait_n  # per-stage wait sums and counts
         colocated = cfg.placement == COLOCATED
-        self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done)
-        n_prefill = 0 if colocated else cfg.prefill_workers
-        self.prefill = ServerPool("prefill", n_prefill, ev, self._prefill_start, self._prefill_done)
-        n_decode = cfg.language_workers if colocated else cfg.decode_workers
         p = cfg.service
+        self.cpu = cpu = HostCpu(p.host_cores) if p.host_cores else None
+        gateway = p.gateway_request_ms > 0 or p.gateway_finish_ms > 0
+        self.gateway = ServerPool("gateway", 1 if gateway else 0, ev, self._gateway_start, self._gateway_done, cpu)
+        self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done, cpu)
+        n_prefill = 0 if colocated else cfg.prefill_workers
+        self.prefill = ServerPool("prefill", n_prefill, ev, self._prefill_start, self._prefill_done, cpu)
+        n_decode = cfg.language_workers if colocated else cfg.decode_workers
+        shared = {} if cpu is None else {"cpu": cpu}
         self.decode = [
-            DecodeWorker(
+            (DecodeWorker if cpu is None else SharedDecodeWorker)(
                 i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens, step_base_ms=p.decode_step_base_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
-                accepts_local=cfg.placement != "disaggregated",
+                accepts_local=cfg.placement != "disaggregated", **shared,
             )
             for i in range(n_decode)
         ]
@@ -136,12 +146,17 @@ class Simulator:
         if flows:
             self.m.wait_sum_ms["link_queue"] += delay
             self.m.wait_n["link_queue"] += flows
+        if self.cpu is not None and self.cpu.grants:
+            self.m.wait_sum_ms["host_core"] += self.cpu.wait_ms
+            self.m.wait_n["host_core"] += self.cpu.grants
         sizes = {
             "encoder": len(self.encoders.servers),
             "prefill": len(self.prefill.servers),
             "decode": len(self.decode),
             "link": len(self.link.pipes),
         }
+        if self.gateway.servers:  # only a modelled gateway is reported (the default reports stay as they were)
+            busy["gateway"], sizes["gateway"] = self.gateway.busy_ms(end), 1
         return SimResult(self.cfg, self.m, end, busy, sizes, self.link.transferred_bytes(), self.events.processed)
 
     def _arrive(self, now: float, spec: Arrival) -> None:
@@ -154,11 +169,21 @@ class Simulator:
         self._rid += 1
         self._open += 1
         self.m.arrived += 1
-        if req.images and self.encoders.servers:
+        if self.gateway.servers:
             req.t_mark = now
-            self.encoders.least_loaded(now).submit(req, self.truth.encode_ms(req.images, req.cached), now)
+            self.gateway.servers[0].submit(req, self.cfg.service.gateway_request_ms, now)
         else:
-            self._place(req, now)
+            self._encode(req, now)
+
+    def _encode(self, req: SimRequest, now: float) -> None:
+        """To the encoder when the request has images that cost encoder time, else straight to placement."""
+        if req.images and self.encoders.servers:
+            encode_ms = self.truth.encode_ms(req.images, req.cached)
+            if encode_ms > 0.0:  # all cache hits at 0 ms: the gateway never calls the encoder
+                req.t_mark = now
+                self.encoders.least_loaded(now).submit(req, encode_ms, now)
+                return
+        self._place(req, now)
 
     def _sample(self, now: float, _: Any = None) -> None:
         m, workers = self.m, self.decode
@@ -175,6 +200,15 @@ class Simulator:
             self.events.at(now + self._sample_every, self._sample)
 
     # ---- encode and place ----------------------------------------------------------
+
+    def _gateway_start(self, req: SimRequest | None, now: float, server: Server) -> None:
+        if req is not None:  # None: a finished request's closing work
+            self._wait_ms["gateway"] += now - req.t_mark
+            self._waits["gateway"] += 1
+
+    def _gateway_done(self, req: SimRequest | None, now: float, server: Server) -> None:
+        if req is not None:
+            self._encode(req, now)
 
     def _encode_start(self, req: SimRequest, now: float, server: Server) -> None:
         self._wait_ms["encoder"] += now - req.t_mark
@@ -368,6 +402,9 @@ class Simulator:
         m.ttft_ok += ttft_ok
         m.itl_ok += itl_ok
         m.good += ttft_ok and itl_ok
+        finish_ms = self.cfg.service.gateway_finish_ms
+        if finish_ms > 0.0:  # the gateway's closing work (streaming, release): occupies it, off the latency path
+            self.gateway.servers[0].submit(None, finish_ms, now)
         self._retire(now)
 
 

@@ -379,3 +379,90 @@ def test_cli_reads_a_service_time_file(tmp_path, capsys) -> None:
     assert example["prefill_ms"] == pytest.approx(10.0 + 0.07 * 6000)  # fitted from the table
     assert example["decode_step_ms"] == pytest.approx(30.0)  # from the file's params
     assert simulate_cli.main(["--service-times", str(tmp_path / "missing.json")]) == 2
+
+
+# ---- the shared host (host_cores) and the gateway stage ------------------------------
+
+
+def test_host_cpu_serves_waiters_first_come_first_served() -> None:
+    from sim.host_cpu import HostCpu
+
+    cpu, got = HostCpu(1), []
+    cpu.acquire(0.0, lambda t, a: got.append((t, a)), "a")
+    cpu.acquire(1.0, lambda t, a: got.append((t, a)), "b")
+    cpu.acquire(2.0, lambda t, a: got.append((t, a)), "c")
+    assert got == [(0.0, "a")] and cpu.waiting() == 2
+    cpu.release(10.0)
+    cpu.release(15.0)
+    assert got == [(0.0, "a"), (10.0, "b"), (15.0, "c")]
+    assert cpu.mean_wait_ms() == pytest.approx((0 + 9 + 13) / 3)
+    cpu.release(20.0)
+    with pytest.raises(RuntimeError):
+        cpu.release(21.0)  # nothing held
+    with pytest.raises(ValueError):
+        HostCpu(0)
+
+
+def _host(cores: int, **service: float) -> ServiceTimes:
+    return ServiceTimes(host_cores=cores, **service)
+
+
+@pytest.mark.parametrize("cores, expected", [(0, [100.0, 100.0]), (1, [100.0, 200.0]), (2, [100.0, 100.0])])
+def test_two_busy_stages_take_turns_on_too_few_cores(cores: int, expected: list[float]) -> None:
+    # two colocated workers each prefill a 100 ms prompt at t=0 (one-token answers: TTFT = prefill)
+    service = _host(cores, prefill_base_ms=100.0, prefill_ms_per_token=0.0)
+    r = run("colocated", [(0.0, 10, 1, 0, 0), (0.0, 10, 1, 0, 0)], service=service)
+    assert sorted(r.metrics.ttft_ms) == pytest.approx(expected)
+
+
+def test_decode_steps_on_one_shared_core_alternate() -> None:
+    # two decode workers stepping at once on one core: each step waits for the other's, so every
+    # plain gap is two steps; with two cores (or none shared) it is one step
+    service = dict(prefill_base_ms=10.0, prefill_ms_per_token=0.0, decode_step_base_ms=5.0)
+    trace = [(0.0, 10, 40, 0, 0), (0.0, 10, 40, 0, 0)]
+    shared = gaps(run("colocated", trace, service=_host(1, **service)))
+    assert max(shared, key=shared.get) == pytest.approx(10.0)
+    for cores in (0, 2):
+        own = gaps(run("colocated", trace, service=_host(cores, **service)))
+        assert own == {5.0: 78}
+
+
+def test_ample_cores_change_nothing() -> None:
+    workload = Workload(RequestMix(fixed(300), fixed(50), fixed(1, minimum=0)), rate=8.0, requests=200, seed=3)
+    for placement in ("colocated", "disaggregated", "conditional"):
+        config = SimConfig(placement=placement, transfer="chunked", chunked_prefill=True, ttft_slo_ms=5000)
+        alone = simulate(config, workload)
+        ample = simulate(config.with_(service=_host(64)), workload)
+        assert ample.metrics.ttft_ms == pytest.approx(alone.metrics.ttft_ms)
+        assert summarize(ample, series=False)["itl_ms_p99"] == pytest.approx(summarize(alone, series=False)["itl_ms_p99"])
+        assert summarize(ample, series=False)["stage_wait_ms"]["host_core"] == 0.0
+
+
+def test_gateway_stage_is_one_event_loop_before_the_pipeline() -> None:
+    service = ServiceTimes(gateway_request_ms=3.0, gateway_finish_ms=2.0)
+    r = run("colocated", [(0.0, 100, 1, 0, 0), (0.0, 100, 1, 0, 0)], service=service, decode_workers=2)
+    prefill = 20 + 0.035 * 100
+    assert sorted(r.metrics.ttft_ms) == pytest.approx([3.0 + prefill, 6.0 + prefill])  # one loop: the second waits
+    report = summarize(r, series=False)
+    assert report["stage_wait_ms"]["gateway"] == pytest.approx(1.5)
+    assert report["idle_fraction"]["gateway"] == pytest.approx(1 - (2 * 3 + 2 * 2) / r.horizon_ms, abs=1e-3)
+    plain = summarize(run("colocated", [(0.0, 100, 1, 0, 0)]), series=False)
+    assert "gateway" not in plain["idle_fraction"] and "gateway" not in plain["stage_wait_ms"]
+
+
+def test_encoder_cache_hits_at_zero_cost_skip_the_encoder() -> None:
+    service = ServiceTimes(encode_cache_hit_ms=0.0)
+    r = run("colocated", [(0.0, 100, 1, 1, 1), (0.0, 100, 1, 1, 1)], service=service, decode_workers=2)
+    assert r.metrics.ttft_ms == [pytest.approx(20 + 3.5)] * 2
+    assert r.busy_ms["encoder"] == 0.0
+
+
+def test_host_cores_field_and_flag() -> None:
+    assert ServiceTimes(host_cores=2.0).host_cores == 2
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError):
+            ServiceTimes(host_cores=bad)
+    from sim.cli_args import service_from_args
+
+    args = simulate_cli.build_parser().parse_args(["--host-cores", "2", "--gateway-request-ms", "4"])
+    assert (service_from_args(args).host_cores, service_from_args(args).gateway_request_ms) == (2, 4.0)
