@@ -2,7 +2,8 @@
 
 Life of one request (the deadline travels in every message and as every RPC's timeout):
 
-1. keys: content keys for its images; ask an encoder which are cached already;
+1. keys: content keys for its images; ask an encoder which are cached already
+   (only for images this gateway has sent before, see ``seen_images``);
 2. admission: estimate TTFT for each placement from live worker loads and the
    online-calibrated cost model; refuse at once (429 + Retry-After) if none meets
    the deadline or no decode capacity will exist;
@@ -13,7 +14,9 @@ Life of one request (the deadline travels in every message and as every RPC's ti
      pushes it chunk by chunk into the reservation;
 5. on a failed transfer, the failure policy picks retry / other decode worker /
    re-prefill / fail from the time left; every path releases the reservation
-   (``Decode.Release`` is idempotent, and the lease reaper backs it up).
+   (``Decode.Release`` is idempotent, and the lease reaper backs it up). A stream
+   that ended with a finish reason needs no Release: the decode worker retired
+   the sequence, which freed its blocks, before it sent that event.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from runtime.wire import sampling_to_pb, token_digest
 from . import gateway_metrics as m
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
 from .pressure import FirstTokenPressure
+from .seen_images import SeenImages
 from .settings import GatewaySettings
 from .worker_registry import WorkerHandle, WorkerRegistry
 
@@ -82,6 +86,7 @@ class Orchestrator:
                                                    on_refresh=self._publish_queue_depths)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.pressure = FirstTokenPressure()
+        self.seen_images = SeenImages()
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -145,7 +150,7 @@ class Orchestrator:
             m.ADMISSION_REJECTED.labels("ttft_deadline").inc()
             raise AdmissionRefused(429, "request refused at admission: the TTFT deadline is already past", 1.0)
         breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
-        refs, keys, n_cached, encoder = await self._image_refs(job)
+        refs, keys, checked, n_cached, encoder = await self._image_refs(job)
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=n_cached)
         admission = admit(shape, self._stage_loads(), self.cost_model, self.settings.placement, remaining_ms,
@@ -176,6 +181,10 @@ class Orchestrator:
                     raise self._rpc_failure("encoder", encoder, exc, job)
                 breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
                 breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
+                for was_checked, image in zip(checked, resp.images):
+                    if not was_checked:
+                        m.ENCODER_CACHE_CHECKS.labels(str(bool(image.cache_hit)).lower()).inc()
+                self.seen_images.add(keys)
             elif refs:
                 breakdown["encode_ms"] = 0.0
                 breakdown["images_cache_hit"] = float(len(refs))
@@ -194,7 +203,7 @@ class Orchestrator:
 
     async def _image_refs(self, job: ChatJob):
         if not job.images:
-            return [], [], 0, None
+            return [], [], [], 0, None
         encoders = self.registry.healthy("encoder")
         if not encoders:
             m.ADMISSION_REJECTED.labels("no_encoder_workers").inc()
@@ -202,14 +211,20 @@ class Orchestrator:
         encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
         fp, digest = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest
         keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest) for im in job.images])
-        try:
-            cached = list((await encoder.stub.Cached(pb.CachedRequest(cache_keys=keys), timeout=1.0)).cached)
-        except grpc.aio.AioRpcError:
-            cached = [False] * len(keys)
-        for c in cached:
-            m.ENCODER_CACHE_CHECKS.labels(str(bool(c)).lower()).inc()
+        checked = [self.seen_images.seen(k) for k in keys]   # never-seen images: Encode finds out
+        cached = [False] * len(keys)
+        if any(checked):
+            ask = [k for k, c in zip(keys, checked) if c]
+            try:
+                answer = iter((await encoder.stub.Cached(pb.CachedRequest(cache_keys=ask), timeout=1.0)).cached)
+                cached = [c and bool(next(answer)) for c in checked]
+            except grpc.aio.AioRpcError:
+                pass
+            for c, hit in zip(checked, cached):
+                if c:
+                    m.ENCODER_CACHE_CHECKS.labels(str(hit).lower()).inc()
         refs = [pb.ImageRef(cache_key=k, data=im.data, encoder_address=encoder.address) for k, im in zip(keys, job.images)]
-        return refs, keys, sum(cached), encoder
+        return refs, keys, checked, sum(cached), encoder
 
     def _left_s(self, job: ChatJob) -> float:
         return max(0.001, job.ttft_deadline_s - time.monotonic())
@@ -303,10 +318,14 @@ class Orchestrator:
                         reservation = await self._rearm(decode, reservation, job)  # old stream ends, blocks kept
                         self._close_stream(failure.stream)
             first.ttft_breakdown = breakdown
+            if first.finish_reason:
+                reservation = None   # the decode worker retired the sequence and freed its blocks itself
             yield first
             if first.finish_reason:
                 return
             async for ev in stream:
+                if ev.finish_reason:
+                    reservation = None
                 yield TokenEvent(list(ev.token_ids), ev.finish_reason or None)
                 if ev.finish_reason:
                     return

@@ -10,6 +10,14 @@ image's size), so ``len(token_ids)`` is the true prompt length.
 Only the processor (tokenizer + image processor) and the config are loaded;
 the gateway never loads model weights.
 
+Images of a size seen before skip the image processor: the processor's
+pixels are thrown away here (the encoder computes its own), and only the
+number of placeholder tokens per image matters. The first image of each
+size goes through the full processor, and its output is checked against
+"tokenize the text, then repeat each placeholder N times"; once that holds,
+N is remembered for the size. If it ever does not hold (a processor that
+expands placeholders into other tokens), the shortcut is off for good.
+
 Threads: a fast (Rust) tokenizer raises "Already borrowed" when one thread
 reconfigures it while another encodes or decodes (huggingface/tokenizers#537).
 So ``build`` — called from worker threads — is serialized by a lock, and
@@ -48,6 +56,11 @@ class PromptBuilder:
         # the placeholder string the template emits per image; user text may not contain it
         self.image_token: str | None = getattr(processor, "image_token", None)
         self.accepts_images = getattr(processor, "image_processor", None) is not None
+        self.image_token_id: int | None = (
+            self.tokenizer.convert_tokens_to_ids(self.image_token) if self.image_token else None)
+        # (width, height) -> placeholder tokens per image, learnt from the full processor
+        self._tokens_per_size: dict[tuple[int, int], int] = {}
+        self._shortcut_ok = self.image_token_id is not None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "PromptBuilder":
@@ -98,6 +111,58 @@ class PromptBuilder:
     def tokenize(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
         if images and not self.accepts_images:
             raise ApiError.bad_request("this model does not accept images", "messages", "images_not_supported")
+        if images and self._shortcut_ok and all(im.size in self._tokens_per_size for im in images):
+            counts = [self._tokens_per_size[im.size] for im in images]
+            expanded = self._expand(self._text_ids(prompt), counts)
+            if expanded is not None:
+                return expanded
+        ids = self._process(prompt, images)
+        if images and self._shortcut_ok:
+            self._learn(prompt, images, ids)
+        return ids
+
+    def _text_ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def _expand(self, text_ids: list[int], counts: list[int]) -> list[int] | None:
+        """``text_ids`` with the i-th placeholder repeated ``counts[i]`` times; None if the placeholders do not match."""
+        if text_ids.count(self.image_token_id) != len(counts):
+            return None
+        out: list[int] = []
+        pending = iter(counts)
+        for t in text_ids:
+            if t == self.image_token_id:
+                out.extend([t] * next(pending))
+            else:
+                out.append(t)
+        return out
+
+    _MAX_LEARNT_SIZES = 4096
+
+    def _learn(self, prompt: str, images: Sequence[Image.Image], ids: list[int]) -> None:
+        """Record placeholder counts per image size from a full processor run, or turn the shortcut off."""
+        runs: list[int] = []
+        previous = None
+        for t in ids:
+            if t == self.image_token_id:
+                if previous != t:
+                    runs.append(0)
+                runs[-1] += 1
+            previous = t
+        if len(runs) != len(images):
+            return  # adjacent placeholders merge into one run: nothing to learn from this prompt
+        learnt: dict[tuple[int, int], int] = {}
+        consistent = True
+        for im, n in zip(images, runs):
+            consistent &= learnt.setdefault(im.size, n) == n and self._tokens_per_size.get(im.size, n) == n
+        if not consistent or self._expand(self._text_ids(prompt), runs) != ids:
+            self._shortcut_ok = False
+            self._tokens_per_size.clear()
+            return
+        if len(self._tokens_per_size) < self._MAX_LEARNT_SIZES:
+            self._tokens_per_size.update(learnt)
+
+    def _process(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
         kwargs: dict[str, Any] = {"text": prompt, "add_special_tokens": False}
         if images:
             kwargs["images"] = list(images)

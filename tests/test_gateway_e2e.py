@@ -100,6 +100,37 @@ def test_infeasible_deadline_is_refused_before_any_work(stack):
     assert status(stack)["encoder"][0]["computes"] == before  # refused before the encoder ran
 
 
+def _cache_checks(base: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("epd:gateway_image_cache_checks_total{"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split('cached="')[1].split('"')[0]] = float(value)
+    return out
+
+
+def test_a_repeated_image_is_a_cache_hit_and_skips_the_encode(stack):
+    part, answer = image_part(303)
+    body = {"model": "demo-vlm", "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]}
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="unused")
+    checks = [_cache_checks(stack)]
+    breakdowns = []
+    for _ in range(2):
+        chunks = list(client.chat.completions.create(**body))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == answer
+        breakdowns.append(next(c.model_extra["epd_ttft_breakdown"] for c in chunks if c.model_extra.get("epd_ttft_breakdown")))
+        checks.append(_cache_checks(stack))
+    first, second = breakdowns
+    assert first["images_cache_hit"] == 0 and first["encode_ms"] > 0
+    assert second["images_cache_hit"] == 1 and second["encode_ms"] == 0  # known cached: no Encode RPC at all
+    # one miss counted from the first request's Encode, one hit from the second's cache check
+    assert checks[1].get("false", 0) - checks[0].get("false", 0) == 1
+    assert checks[2].get("true", 0) - checks[1].get("true", 0) == 1
+    for worker in status(stack)["decode"]:
+        assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
+
+
 def test_text_only_request_skips_the_encoder(stack):
     before = status(stack)["encoder"][0]
     r = httpx.post(f"{stack}/v1/chat/completions", timeout=30, json={
