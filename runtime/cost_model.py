@@ -8,6 +8,14 @@ prefill, KV size and transfer, decode step, encode) from four linear fits:
     transfer_ms(bytes)    = a_t + b_t x bytes        (a_t: link setup, 1 / b_t: bandwidth)
     encode_ms(images)     = a_e + b_e x images_encoded
 
+Prefill is defined per request: ``prefill_ms(tokens)`` is one prompt's whole
+prefill on an idle worker, however many passes (chunks) it takes, so ``a_p`` is
+paid once per request and a chunked prefill charges it to the first chunk
+(``chunk_ms``). ``epd profile`` fits exactly this: it sums each profiled request's
+prefill passes into one (prompt tokens, ms) point. (A worker's per-pass timing
+samples, which the gateway observes online, are the same thing for prompts that
+fit in one chunk.)
+
 Each fit starts at the prior (a ``ServiceTimes``) and is refit by least squares
 from a bounded window of recent observations once it holds ``min_points``
 points. Invariants: coefficients are always finite and >= 0 (the transfer slope

@@ -58,14 +58,20 @@ class ServiceTimes:
     encode_ms(new, cached) = encode_base_ms + encode_ms_per_image x new
                              + encode_cache_hit_ms x cached   (0 when no images)
 
-    The gateway and the host (0, the defaults, leave them out of the model):
+    The gateway, per-request CPU and the host (0, the defaults, leave them out of the model):
     gateway_request_ms     = the gateway's CPU per request before its pipeline starts
                              (body, images, tokenizing, admission): a one-server stage
                              (one event loop) every request passes before encode
     gateway_finish_ms      = the rest of the gateway's CPU per request (RPCs, streaming,
                              release), charged to that stage when the request finishes
-    host_cores             = N > 0: every stage's work takes turns on N shared cores
-                             (``sim/host_cpu.py``); 0: each worker has its own processor
+    encode_request_ms      = the encoder's CPU per request with images beyond its timed
+                             encodes (cache-check and encode RPCs, cache writes); such a
+                             request then always passes the encoder stage
+    prefill_request_ms     = the prefill worker's CPU per request beyond its timed passes
+                             (embedding fetch, RPCs, KV sends), before its first chunk
+    host_cores             = N > 0: every stage's work shares N cores (``sim/host_cpu.py``,
+                             processor sharing); 0: each worker has its own processor
+    host_background_cores  = cores' worth of other work on that host (shares them too)
     """
 
     prefill_base_ms: float = 20.0
@@ -82,7 +88,10 @@ class ServiceTimes:
     encode_cache_hit_ms: float = 1.0
     gateway_request_ms: float = 0.0
     gateway_finish_ms: float = 0.0
+    encode_request_ms: float = 0.0
+    prefill_request_ms: float = 0.0
     host_cores: int = 0
+    host_background_cores: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -365,47 +365,45 @@ class DecodeWorker:
 
 
 class SharedDecodeWorker(DecodeWorker):
-    """A ``DecodeWorker`` on a shared host (``sim.host_cpu``): every step, whole local prefill
-    and chunk first waits for a core, then runs for its idle time.
+    """A ``DecodeWorker`` on a shared host (``sim.host_cpu``): every step, whole local
+    prefill and chunk is a piece of work that runs at the host's speed.
 
-    One event per step (``per_step``), so the worker asks for a core again after each step.
-    A wait of ``w`` ms lengthens what it precedes, for exactly the tokens it delays:
-    a step's gap becomes ``w + step`` for every sequence in it (the step's ``d`` is
-    stretched, so first gaps, stalls and breaches follow); before a local prefill or a
-    chunk it adds to the stall the running sequences see.
+    One event per step (``per_step``). When a piece takes ``f`` times its idle time, what
+    it covers stretches by ``f``: a step's ``d`` (so every gap in it, first gaps and
+    breaches follow), a local prefill's stall, a chunk and the step fused with it.
     """
 
-    __slots__ = ("_cpu", "_asked")
+    __slots__ = ("_cpu", "_started", "_work")
 
     def __init__(self, *args: Any, cpu: HostCpu, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cpu = cpu
-        self._asked = 0.0
+        self._started = self._work = 0.0
         self.per_step = True
 
     def _schedule(self, t: float) -> None:
         now = self._events.now
         self.version += 1
-        self.next_t = math.inf  # not known until a core is held
-        self._asked = now
-        self._cpu.acquire(now, self._granted, t - now)
+        self.next_t = t  # at idle speed; the host decides the real end
+        self._started, self._work = now, t - now
+        self._cpu.run(now, t - now, self._piece_done, self.version)
 
-    def _granted(self, now: float, ms: float) -> None:
-        wait = now - self._asked
-        if wait > 0.0:
-            if self.mode == STEPPING:
-                self.d += wait  # t0 stays at the ask: the step (and every gap in it) spans the wait
-            elif self.mode == CHUNK:
-                self.t0 += wait
-                self.stall_extra += wait
-            else:  # PREFILL: the running sequences wait through it
-                self.stall_extra += wait
-        DecodeWorker._schedule(self, now + ms)
-
-    def _on_event(self, now: float, version: int) -> None:
+    def _piece_done(self, now: float, version: int) -> None:
         if version != self.version:
             return
-        self._cpu.release(now)
+        taken = now - self._started
+        if taken > self._work > 0.0:
+            f = taken / self._work
+            if self.mode == STEPPING:
+                self.d = taken  # t0 is the step's start: the step (and every gap in it) took this long
+            elif self.mode == CHUNK:  # stall_extra holds the chunk's idle time
+                if self.running:
+                    self.t0 = self._started + self.stall_extra * f
+                    self.d *= f
+                self.stall_extra *= f
+            else:  # PREFILL: stall_extra holds the prefill's idle time; the residents wait through it
+                self.stall_extra *= f
+        self.next_t = now
         DecodeWorker._on_event(self, now, version)
 
     def wake(self, now: float) -> None:

@@ -1,11 +1,30 @@
 """``epd profile``: measure a running stack's service-time tables.
 
-Drives a small, fixed load through the gateway (prompts of several lengths with
-an image, then bursts of concurrent requests), and reads back the timing samples
-every worker measured itself (``Stats``: prefill steps by tokens, decode steps by
-batch size, KV transfers by bytes, encodes by images). The tables and their
-linear fit are written in the service-time file format that ``epd simulate``,
-``epd plan`` and the gateway's cost model read (``--service-times FILE``).
+Drives a small, fixed load through the gateway and reads back the timing samples every
+worker measured itself (``Stats``). Each table holds what the simulator uses, an idle
+stage's service time, so the load is shaped to keep the stages out of each other's way:
+
+1. one request at a time, fresh images, prompts of several lengths: encodes, transfers,
+   batch-1 decode steps, and one prefill point per request -- the sum of its prefill
+   passes at its prompt tokens, the per-request definition ``runtime.cost_model`` uses
+   (the fixed cost once per request however many chunks). The gateway's own CPU seconds
+   (its ``process_cpu_seconds_total``, less its idle rate) over these requests give its
+   cost per request, split into the part before the pipeline (``gateway_ms`` of the TTFT
+   breakdown) and the rest. On a local stack the encoder's and prefill worker's CPU seconds
+   (their processes, found by listening port) give what each spends per request beyond the
+   compute it times (RPCs, cache reads and writes, KV sends): ``encode_request_ms``,
+   ``prefill_request_ms``;
+2. bursts of concurrent requests sharing one image, already cached (so no encoder work and
+   ``encode_cache_hit_ms``, the encoder time a cache hit costs, from their breakdowns):
+   decode steps at larger batches, kept only from the burst's largest batch on, when every
+   prefill of the burst is done and nothing else competes for the cores.
+
+The tables and their linear fit are written in the service-time file format that
+``epd simulate``, ``epd plan`` and the gateway's cost model read (``--service-times FILE``),
+with the simulator's shared-host model switched on when the stack runs here (a loopback
+gateway address): ``host_cores`` = this machine's core count, ``host_background_cores`` = the
+cores other work kept busy while the stack sat idle (``/proc/stat`` over the profile's idle
+seconds). Else both 0 (unknown: a core per worker).
 """
 
 from __future__ import annotations
@@ -15,9 +34,11 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
 import sys
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -54,34 +75,184 @@ async def _chat(client: httpx.AsyncClient, base: str, model: str, words: int, se
     return {"prompt_tokens": r.json()["usage"]["prompt_tokens"], "breakdown": breakdown}
 
 
-async def profile(base: str, prompt_words: list[int], batches: list[int], repeats: int) -> st.ServiceTimesFile:
-    async with httpx.AsyncClient(timeout=600) as client:
+async def _gateway_cpu_s(client: httpx.AsyncClient, base: str) -> float | None:
+    """The gateway process's CPU seconds so far (``process_cpu_seconds_total`` on its /metrics), if it reports them."""
+    try:
+        text = (await client.get(f"{base}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
+def _worker_cpu_s(address: str) -> float | None:
+    """CPU seconds so far of the local process listening on ``address``'s port (None if not found)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        port = int(address.rsplit(":", 1)[1])
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                t = psutil.Process(conn.pid).cpu_times()
+                return t.user + t.system
+    except (ValueError, OSError, psutil.Error):
+        return None
+    return None
+
+
+def overhead_ms(cpu: list[float | None], times: tuple[float, float, float], requests: int, timed_ms: float) -> float | None:
+    """CPU ms per request beyond the ``timed_ms`` the role timed itself over ``requests`` requests.
+
+    ``cpu`` and ``times`` are three readings: before and after an idle stretch (the idle rate),
+    then after the requests. None when a reading is missing; never below 0.
+    """
+    if None in cpu or not requests:
+        return None
+    c0, c1, c2 = cpu  # type: ignore[misc]
+    t0, t1, t2 = times
+    idle_rate = (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+    busy_ms = (c2 - c1 - idle_rate * (t2 - t1)) * 1000.0
+    return max(0.0, (busy_ms - timed_ms) / requests)
+
+
+def from_peak(batches: list[float]) -> list[int]:
+    """Indices of the steps from the first one at the largest batch on (the burst is all in, no prefill left)."""
+    if not batches:
+        return []
+    peak = batches.index(max(batches))
+    return list(range(peak, len(batches)))
+
+
+def is_local(base: str) -> bool:
+    host = (urlsplit(base).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def host_busy() -> tuple[float, float] | None:
+    """(busy, total) CPU ticks of this host so far, summed over its cores (``/proc/stat``); None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - idle, total
+
+
+def busy_cores(cores: int, before: tuple[float, float] | None, after: tuple[float, float] | None) -> float:
+    """Cores' worth of work between two ``host_busy()`` readings (0 when unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return 0.0
+    return cores * max(0.0, after[0] - before[0]) / (after[1] - before[1])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+class _Samples:
+    """The workers' timing samples since the last read, by kind (each worker's cursor kept here)."""
+
+    def __init__(self, roles: list[tuple[str, str]], marks: dict[str, int]) -> None:
+        self.roles, self.marks = roles, marks
+
+    async def read(self) -> dict[str, list[tuple[float, float]]]:
+        out: dict[str, list[tuple[float, float]]] = {name: [] for name in st.TABLE_NAMES}
+        for role, address in self.roles:
+            stats = await _stats(role, address, self.marks[address])
+            for s in stats.samples:
+                if s.kind in out:
+                    out[s.kind].append((s.size, s.ms))
+            self.marks[address] = max(self.marks[address], stats.last_sample)
+        return out
+
+
+async def profile(base: str, prompt_words: list[int], batches: list[int], repeats: int,
+                  host_cores: int | None = None) -> st.ServiceTimesFile:
+    tables: dict[str, list[tuple[float, float]]] = {name: [] for name in st.TABLE_NAMES}
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
         model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
         workers = (await client.get(f"{base}/status")).json()
         roles = [(role, w["address"]) for role in _STUBS for w in workers.get(role, []) if w.get("healthy")]
-        marks = {a: (await _stats(r, a, 0)).last_sample for r, a in roles}
-        kv_per_token = []
+        samples = _Samples(roles, {a: (await _stats(r, a, 0)).last_sample for r, a in roles})
+        kv_per_token, gateway_ms = [], []
         seed = random.randrange(1 << 30)  # fresh images: encodes are measured, not cache hits
+        # 1. one request at a time
+        local = is_local(base)
+        watched = [("gateway", None)] + [(r, a) for r, a in roles if r in ("encoder", "prefill") and local]
+
+        async def cpu_now() -> dict[str, float | None]:
+            """CPU seconds so far by role (the workers of a role summed; None if any is unreadable)."""
+            got: dict[str, float | None] = {}
+            for role, address in watched:
+                value = await _gateway_cpu_s(client, base) if address is None else _worker_cpu_s(address)
+                prev = got.get(role, 0.0)
+                got[role] = None if value is None or prev is None else prev + value
+            return got
+
+        cpu0, t0, host0 = await cpu_now(), time.monotonic(), host_busy()
+        await asyncio.sleep(2.0)  # idle CPU rates (health checks, stats polling); other work's share of the host
+        cpu1, t1, host1 = await cpu_now(), time.monotonic(), host_busy()
+        await samples.read()
+        sequential = 0
+        timed = {"encoder": 0.0, "prefill": 0.0}
         for words in prompt_words:
             for _ in range(repeats):
                 seed += 1
                 out = await _chat(client, base, model, words, seed, 4)
-                if out["breakdown"].get("transfer_bytes"):
-                    kv_per_token.append(out["breakdown"]["transfer_bytes"] / out["prompt_tokens"])
+                sequential += 1
+                b = out["breakdown"]
+                if b.get("transfer_bytes"):
+                    kv_per_token.append(b["transfer_bytes"] / out["prompt_tokens"])
+                if "gateway_ms" in b:
+                    gateway_ms.append(b["gateway_ms"])
+                got = await samples.read()
+                timed["encoder"] += sum(ms for _, ms in got["encode"])
+                timed["prefill"] += sum(ms for _, ms in got["prefill"] + got["transfer"])
+                if got["prefill"]:  # this request's passes, summed: one per-request point
+                    tables["prefill"].append((sum(x for x, _ in got["prefill"]), sum(ms for _, ms in got["prefill"])))
+                for kind in ("decode_step", "transfer", "encode"):
+                    tables[kind] += got[kind]
+        cpu2, t2 = await cpu_now(), time.monotonic()
+        # 2. bursts on one cached image
+        seed += 1
+        await _chat(client, base, model, 8, seed, 16)  # caches the image
+        await samples.read()
+        hit_ms = []
         for batch in batches:
             for _ in range(repeats):
-                seed += batch
-                await asyncio.gather(*(_chat(client, base, model, 8, seed + i, 16) for i in range(batch)))
-    tables: dict[str, list[tuple[float, float]]] = {name: [] for name in st.TABLE_NAMES}
-    for role, address in roles:
-        for s in (await _stats(role, address, marks[address])).samples:
-            if s.kind in tables:
-                tables[s.kind].append((s.size, s.ms))
+                outs = await asyncio.gather(*(_chat(client, base, model, 8, seed, 16) for _ in range(batch)))
+                hit_ms += [o["breakdown"]["encode_ms"] for o in outs if "encode_ms" in o["breakdown"]]
+                steps = (await samples.read())["decode_step"]
+                tables["decode_step"] += [steps[i] for i in from_peak([x for x, _ in steps])]
     measured = st.MeasuredTables(**{k: tuple(v) for k, v in tables.items()})
     prior = st.ServiceTimes()
+    changes: dict[str, float | int] = {}
     if kv_per_token:
-        prior = prior.replace(kv_bytes_per_token=int(round(sum(kv_per_token) / len(kv_per_token))))
-    fitted = CostModel.from_tables(prior, measured).service_times()
+        changes["kv_bytes_per_token"] = int(round(sum(kv_per_token) / len(kv_per_token)))
+    if hit_ms:
+        changes["encode_cache_hit_ms"] = _median(hit_ms)
+    times = (t0, t1, t2)
+    per_request = {r: overhead_ms([cpu0[r], cpu1[r], cpu2[r]], times, sequential, timed.get(r, 0.0)) for r in cpu0}
+    if per_request["gateway"] is not None and gateway_ms:
+        changes["gateway_request_ms"] = before = min(_median(gateway_ms), per_request["gateway"])
+        changes["gateway_finish_ms"] = per_request["gateway"] - before
+    for role, field_name in (("encoder", "encode_request_ms"), ("prefill", "prefill_request_ms")):
+        if per_request.get(role) is not None:
+            changes[field_name] = per_request[role]  # type: ignore[assignment]
+    if host_cores is None:
+        host_cores = (os.cpu_count() or 1) if local else 0
+    changes["host_cores"] = host_cores
+    if host_cores and local:  # what kept the cores busy while the stack sat idle is other work
+        changes["host_background_cores"] = round(busy_cores(os.cpu_count() or 1, host0, host1), 3)
+    fitted = CostModel.from_tables(prior.replace(**changes), measured).service_times()
     return st.ServiceTimesFile(params=fitted, tables=measured,
                                source=f"epd profile against {base} ({model}) at {time.strftime('%Y-%m-%d %H:%M:%S')}")
 
@@ -93,6 +264,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-words", default="0,100,400,1000", help="comma-separated filler lengths")
     p.add_argument("--batches", default="1,4,8", help="comma-separated concurrent request counts")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--host-cores", type=int, help="cores the stack shares (default: this machine's when the gateway is local, else 0)")
     args = p.parse_args(argv)
     try:
         words = [int(x) for x in args.prompt_words.split(",") if x]
@@ -100,7 +272,7 @@ def main(argv: list[str]) -> int:
     except ValueError:
         p.error("--prompt-words and --batches take comma-separated integers")
     try:
-        content = asyncio.run(profile(args.base.rstrip("/"), words, batches, max(1, args.repeats)))
+        content = asyncio.run(profile(args.base.rstrip("/"), words, batches, max(1, args.repeats), args.host_cores))
     except (httpx.HTTPError, grpc.aio.AioRpcError) as exc:
         print(f"epd profile: the stack at {args.base} did not answer: {exc}", file=sys.stderr)
         return 1
@@ -109,7 +281,8 @@ def main(argv: list[str]) -> int:
     print(f"wrote {args.out}: prefill_ms = {params.prefill_base_ms:.2f} + {params.prefill_ms_per_token:.4f} x tokens; "
           f"decode step = {params.decode_step_base_ms:.2f} + {params.decode_step_ms_per_seq:.3f} x batch ms; "
           f"link {params.link_setup_ms:.2f} ms + {params.link_bytes_per_s / 1e9:.2f} GB/s; "
-          f"KV {params.kv_bytes_per_token} B/token; "
+          f"KV {params.kv_bytes_per_token} B/token; gateway {params.gateway_request_ms:.2f} + "
+          f"{params.gateway_finish_ms:.2f} ms/request; host cores {params.host_cores}; "
           + ", ".join(f"{k}: {len(getattr(content.tables, k))} points" for k in st.TABLE_NAMES))
     return 0
 

@@ -84,10 +84,11 @@ class ServerPool:
 
 
 class SharedServer(Server):
-    """A ``Server`` on a shared host: each job first waits for a core (``sim.host_cpu``).
+    """A ``Server`` on a shared host (``sim.host_cpu``): each job's service is work that
+    runs at the host's current speed, so it takes at least its idle time.
 
-    The job counts as started (``on_start``) when it holds a core; ``backlog_ms`` cannot
-    see the core wait, so it is a lower bound here.
+    ``busy_ms`` sums work, not wall time; ``backlog_ms`` cannot see the host's slowdown,
+    so it is a lower bound here.
     """
 
     __slots__ = ("_cpu",)
@@ -98,16 +99,7 @@ class SharedServer(Server):
 
     def _start(self, req: Any, service_ms: float, now: float) -> None:
         self.busy = True
-        self.busy_until = now + service_ms  # until the core is granted: the wait is unknown
-        self._cpu.acquire(now, self._granted, (req, service_ms))
-
-    def _granted(self, now: float, job: tuple[Any, float]) -> None:
-        req, service_ms = job
-        self.busy_until = now + service_ms
+        self.busy_until = now + service_ms  # at idle speed: the real end depends on the host
         self.busy_ms += service_ms
-        self._events.at(self.busy_until, self._done, req)
+        self._cpu.run(now, service_ms, self._done, req)
         self._on_start(req, now, self)
-
-    def _done(self, now: float, req: Any) -> None:
-        self._cpu.release(now)
-        super()._done(now, req)

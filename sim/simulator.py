@@ -14,7 +14,8 @@ Request lifecycle, as queues (each hop is a state change):
                 in ``cleanups``.
 
 With ``host_cores`` N > 0 in the service times, every stage's work (gateway, encode,
-prefill, decode steps, local prefill) takes turns on N shared cores (``sim.host_cpu``);
+prefill, decode steps, local prefill) shares N cores (``sim.host_cpu``: processor
+sharing, next to ``host_background_cores`` of other work);
 with 0 (the default) each worker has its own processor and nothing here changes.
 
 The placement and failure decisions are the gateway's own functions, fed the same
@@ -74,7 +75,7 @@ class Simulator:
         self._wait_ms, self._waits = self.m.wait_sum_ms, self.m.wait_n  # per-stage wait sums and counts
         colocated = cfg.placement == COLOCATED
         p = cfg.service
-        self.cpu = cpu = HostCpu(p.host_cores) if p.host_cores else None
+        self.cpu = cpu = HostCpu(p.host_cores, ev, p.host_background_cores) if p.host_cores else None
         gateway = p.gateway_request_ms > 0 or p.gateway_finish_ms > 0
         self.gateway = ServerPool("gateway", 1 if gateway else 0, ev, self._gateway_start, self._gateway_done, cpu)
         self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done, cpu)
@@ -146,9 +147,9 @@ class Simulator:
         if flows:
             self.m.wait_sum_ms["link_queue"] += delay
             self.m.wait_n["link_queue"] += flows
-        if self.cpu is not None and self.cpu.grants:
-            self.m.wait_sum_ms["host_core"] += self.cpu.wait_ms
-            self.m.wait_n["host_core"] += self.cpu.grants
+        if self.cpu is not None and self.cpu.pieces:  # per piece of work: time taken less its idle time
+            self.m.wait_sum_ms["host_core"] += self.cpu.stretch_ms
+            self.m.wait_n["host_core"] += self.cpu.pieces
         sizes = {
             "encoder": len(self.encoders.servers),
             "prefill": len(self.prefill.servers),
@@ -178,7 +179,7 @@ class Simulator:
     def _encode(self, req: SimRequest, now: float) -> None:
         """To the encoder when the request has images that cost encoder time, else straight to placement."""
         if req.images and self.encoders.servers:
-            encode_ms = self.truth.encode_ms(req.images, req.cached)
+            encode_ms = self.truth.encode_ms(req.images, req.cached) + self.cfg.service.encode_request_ms
             if encode_ms > 0.0:  # all cache hits at 0 ms: the gateway never calls the encoder
                 req.t_mark = now
                 self.encoders.least_loaded(now).submit(req, encode_ms, now)
@@ -275,13 +276,14 @@ class Simulator:
 
     def _submit_prefill(self, req: SimRequest, server: Server, now: float) -> None:
         chunk = self._transfer_chunks
+        overhead = self.cfg.service.prefill_request_ms  # before the first pass (embedding fetch, RPCs)
         if chunk is not None and req.tokens > chunk:
             ready = self.truth.chunk_ready_ms(req.tokens, chunk)
             req.chunk_bytes = [self.truth.kv_bytes(c) for c in self.truth.chunk_sizes(req.tokens, chunk)]
-            service = ready[-1]
+            service = ready[-1] + overhead
         else:
             req.chunk_bytes = None
-            service = self.truth.prefill_ms(req.tokens)
+            service = self.truth.prefill_ms(req.tokens) + overhead
         req.prefill_done, req.chunks_ready, req.chunks_sent = False, 0, 0
         req.t_mark = now
         server.submit(req, service, now)
@@ -290,8 +292,9 @@ class Simulator:
         self._wait_ms["prefill"] += now - req.t_mark
         self._waits["prefill"] += 1
         if req.chunk_bytes is not None:
+            start = now + self.cfg.service.prefill_request_ms
             for t in self.truth.chunk_ready_ms(req.tokens, self._transfer_chunks)[:-1]:  # type: ignore[arg-type]
-                self.events.at(now + t, self._chunk_ready, req)
+                self.events.at(start + t, self._chunk_ready, req)
         if not req.reserved:
             req.t_reserve = now
             req.worker.reserve(req, now)

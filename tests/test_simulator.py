@@ -384,44 +384,50 @@ def test_cli_reads_a_service_time_file(tmp_path, capsys) -> None:
 # ---- the shared host (host_cores) and the gateway stage ------------------------------
 
 
-def test_host_cpu_serves_waiters_first_come_first_served() -> None:
+def test_host_cpu_shares_its_cores_between_running_pieces() -> None:
+    from sim.events import EventQueue
     from sim.host_cpu import HostCpu
 
-    cpu, got = HostCpu(1), []
-    cpu.acquire(0.0, lambda t, a: got.append((t, a)), "a")
-    cpu.acquire(1.0, lambda t, a: got.append((t, a)), "b")
-    cpu.acquire(2.0, lambda t, a: got.append((t, a)), "c")
-    assert got == [(0.0, "a")] and cpu.waiting() == 2
-    cpu.release(10.0)
-    cpu.release(15.0)
-    assert got == [(0.0, "a"), (10.0, "b"), (15.0, "c")]
-    assert cpu.mean_wait_ms() == pytest.approx((0 + 9 + 13) / 3)
-    cpu.release(20.0)
-    with pytest.raises(RuntimeError):
-        cpu.release(21.0)  # nothing held
+    ev, got = EventQueue(), []
+    cpu = HostCpu(1, ev)
+    cpu.run(0.0, 10.0, lambda t, a: got.append((t, a)), "a")
+    cpu.run(0.0, 20.0, lambda t, a: got.append((t, a)), "b")
+    ev.run()
+    assert got == [(20.0, "a"), (30.0, "b")]  # both at half speed until a is done, then b alone
+    assert cpu.mean_stretch_ms() == pytest.approx((10 + 10) / 2)
+    ev2, got2 = EventQueue(), []
+    busy = HostCpu(2, ev2, background=1.0)  # a core's worth of other work next to us
+    busy.run(0.0, 10.0, lambda t, a: got2.append(t))
+    ev2.at(0.0, lambda t, a: busy.run(t, 10.0, lambda t2, a2: got2.append(t2)))
+    ev2.run()
+    assert got2 == [pytest.approx(15.0), pytest.approx(15.0)]  # 2 cores over 3: speed 2/3
     with pytest.raises(ValueError):
-        HostCpu(0)
+        HostCpu(0, ev)
+    with pytest.raises(ValueError):
+        HostCpu(1, ev, background=-1.0)
 
 
 def _host(cores: int, **service: float) -> ServiceTimes:
     return ServiceTimes(host_cores=cores, **service)
 
 
-@pytest.mark.parametrize("cores, expected", [(0, [100.0, 100.0]), (1, [100.0, 200.0]), (2, [100.0, 100.0])])
-def test_two_busy_stages_take_turns_on_too_few_cores(cores: int, expected: list[float]) -> None:
+@pytest.mark.parametrize("cores, expected", [(0, [100.0, 100.0]), (1, [200.0, 200.0]), (2, [100.0, 100.0])])
+def test_two_busy_stages_share_too_few_cores(cores: int, expected: list[float]) -> None:
     # two colocated workers each prefill a 100 ms prompt at t=0 (one-token answers: TTFT = prefill)
     service = _host(cores, prefill_base_ms=100.0, prefill_ms_per_token=0.0)
     r = run("colocated", [(0.0, 10, 1, 0, 0), (0.0, 10, 1, 0, 0)], service=service)
     assert sorted(r.metrics.ttft_ms) == pytest.approx(expected)
 
 
-def test_decode_steps_on_one_shared_core_alternate() -> None:
-    # two decode workers stepping at once on one core: each step waits for the other's, so every
-    # plain gap is two steps; with two cores (or none shared) it is one step
+def test_decode_steps_on_one_shared_core_take_twice_as_long() -> None:
+    # two decode workers stepping at once on one core: each runs at half speed, so every
+    # plain gap is two steps long; with two cores (or none shared) it is one step
     service = dict(prefill_base_ms=10.0, prefill_ms_per_token=0.0, decode_step_base_ms=5.0)
     trace = [(0.0, 10, 40, 0, 0), (0.0, 10, 40, 0, 0)]
     shared = gaps(run("colocated", trace, service=_host(1, **service)))
     assert max(shared, key=shared.get) == pytest.approx(10.0)
+    background = gaps(run("colocated", trace, service=_host(2, host_background_cores=2.0, **service)))
+    assert max(background, key=background.get) == pytest.approx(10.0)  # 2 cores over 2 + 2 of other work
     for cores in (0, 2):
         own = gaps(run("colocated", trace, service=_host(cores, **service)))
         assert own == {5.0: 78}
@@ -466,3 +472,43 @@ def test_host_cores_field_and_flag() -> None:
 
     args = simulate_cli.build_parser().parse_args(["--host-cores", "2", "--gateway-request-ms", "4"])
     assert (service_from_args(args).host_cores, service_from_args(args).gateway_request_ms) == (2, 4.0)
+
+
+def test_profile_keeps_burst_steps_from_the_full_batch_on_and_knows_a_local_stack() -> None:
+    from sim.profile_cli import from_peak, is_local
+
+    # steps while the burst's prefills still run (batch growing) are left out
+    assert from_peak([1, 2, 4, 4, 3, 1]) == [2, 3, 4, 5]
+    assert from_peak([]) == []
+    assert is_local("http://127.0.0.1:8000") and is_local("http://localhost:1") and not is_local("http://10.0.0.2:80")
+
+
+def test_profile_counts_the_cores_other_work_keeps_busy() -> None:
+    from sim.profile_cli import busy_cores, host_busy
+
+    assert busy_cores(2, (100.0, 1000.0), (150.0, 1100.0)) == pytest.approx(1.0)  # half the host busy elsewhere
+    assert busy_cores(4, (0.0, 0.0), (10.0, 100.0)) == pytest.approx(0.4)
+    assert busy_cores(2, None, (1.0, 2.0)) == 0.0
+    reading = host_busy()
+    assert reading is None or 0 <= reading[0] <= reading[1]
+
+
+def test_per_request_cpu_of_encoder_and_prefill_lengthens_their_stages() -> None:
+    prefill = 20 + 0.035 * 100
+    hits = ServiceTimes(encode_cache_hit_ms=0.0, encode_request_ms=2.0)  # every image request asks the encoder
+    r = run("colocated", [(0.0, 100, 1, 1, 1)], service=hits)
+    assert r.metrics.ttft_ms == [pytest.approx(2.0 + prefill)]
+    assert run("colocated", [(0.0, 100, 1, 0, 0)], service=hits).metrics.ttft_ms == [pytest.approx(prefill)]
+    remote = ServiceTimes(prefill_request_ms=5.0)
+    plain = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000)
+    slower = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000, service=remote)
+    assert slower.metrics.ttft_ms[0] == pytest.approx(plain.metrics.ttft_ms[0] + 5.0)
+
+
+def test_profile_overhead_is_cpu_beyond_the_timed_work_less_the_idle_rate() -> None:
+    from sim.profile_cli import overhead_ms
+
+    # idle 0.01 s CPU per s; 10 requests over 2 s used 0.12 s: 0.10 s of work, 40 ms of it timed
+    assert overhead_ms([1.0, 1.01, 1.13], (0.0, 1.0, 3.0), 10, 40.0) == pytest.approx(6.0)
+    assert overhead_ms([1.0, None, 1.13], (0.0, 1.0, 3.0), 10, 40.0) is None
+    assert overhead_ms([1.0, 1.01, 1.02], (0.0, 1.0, 3.0), 10, 40.0) == 0.0  # never below 0
