@@ -28,17 +28,22 @@ Mapping of the real run onto the simulator's request shape, stated once:
   before ``max_tokens`` (the EOS step holds the batch like any other; the client never
   sees it as a token);
 - cache hits: per request, ``images_cache_hit`` of epd's TTFT breakdown;
-- fixed per-request term: the simulator has no gateway (HTTP, image hashing,
-  tokenizing, the cache-check and reserve RPCs, SSE). It is measured on the idle stack in
-  the same run: idle client TTFT p50 minus the simulated TTFT p50 of those same idle
-  requests. It is added to the predicted TTFT and E2E, and printed; the raw prediction is
-  printed next to it. ITL gets no term.
+- the host: ``epd profile`` records this machine's core count (``host_cores``), the gateway's
+  CPU per request (``gateway_request_ms`` before the pipeline, ``gateway_finish_ms`` after it)
+  and what the encoder and prefill worker spend per request beyond their timed compute
+  (``encode_request_ms``, ``prefill_request_ms``), so the simulator runs the gateway as a
+  stage and every stage's work shares the host's cores, as here (``sim/host_cpu.py``). The
+  other work on the host during each load (its busy cores from ``/proc/stat`` less the
+  stack's CPU; the load generator is part of it) is that load's ``host_background_cores``.
+  ``sim_own_cores`` is the same run with a processor per worker (``host_cores = 0``), to show
+  what sharing adds;
+- fixed per-request term: what the simulator still leaves out (HTTP and SSE, the orchestrator's
+  cache-check and reserve RPCs). It is measured on the idle stack in the same run: idle
+  client TTFT p50 minus the simulated TTFT p50 of those same idle requests. It is added to the
+  predicted TTFT and E2E, and printed; the raw prediction is printed next to it. ITL gets no term.
 
-The simulator gives every worker its own processor and has no gateway stage. On a small
-box the workers, the gateway, the load generator and other people's work share the same
-cores, so stage times stretch with load in a way the simulator cannot show; the CPU each
-role used during a load, the load average and the TTFT growth from idle (split into the
-modelled stages and the gateway/HTTP rest) are recorded to tell the two apart.
+The CPU each role used during a load, the load average and the TTFT growth from idle (split
+into the modelled stages and the gateway/HTTP rest) are recorded to tell the parts apart.
 
 A measurement, not a test: nothing here asserts.
 """
@@ -69,7 +74,7 @@ from runtime.service_times import ServiceTimes
 from sim.config import SimConfig
 from sim.distributions import fixed, parse_distribution
 from sim.metrics import HIST_PER_MS, hist_percentile, percentile
-from sim.profile_cli import profile
+from sim.profile_cli import busy_cores, host_busy, profile
 from sim.report import summarize as sim_summary
 from sim.simulator import Simulator
 from sim.workload import Arrival, RequestMix, Workload
@@ -131,24 +136,41 @@ def poisson_workload(rate: float, requests: int, prompt_tokens: int, outputs: li
 
 
 class _E2ESimulator(Simulator):
-    """The simulator, also keeping each finished request's arrival-to-last-step time."""
+    """The simulator, also keeping each request's TTFT and arrival-to-last-step time with
+    whether it missed the encoder cache (which decides the terms ``simulate_run`` adds)."""
 
     def __init__(self, config: SimConfig) -> None:
         super().__init__(config)
-        self.e2e_ms: list[float] = []
+        self.ttft_rows: list[tuple[float, bool]] = []
+        self.e2e_rows: list[tuple[float, bool]] = []
+
+    def first_token(self, req: Any, t: float) -> None:
+        super().first_token(req, t)
+        self.ttft_rows.append((t - req.arrival, req.cached < req.images))
 
     def finished(self, req: Any, now: float, worker: Any) -> None:
-        self.e2e_ms.append(now - req.arrival)
+        self.e2e_rows.append((now - req.arrival, req.cached < req.images))
         super().finished(req, now, worker)
 
 
-def simulate_run(config: SimConfig, workload: Workload) -> dict[str, Any]:
+def with_terms(rows: list[tuple[float, bool]], fixed_ms: float, miss_ms: float) -> list[float]:
+    """Each simulated time plus the fixed term, plus the miss term when the request missed the cache (sorted)."""
+    return sorted(ms + fixed_ms + (miss_ms if missed else 0.0) for ms, missed in rows)
+
+
+def simulate_run(config: SimConfig, workload: Workload, fixed_ms: float = 0.0, miss_ms: float = 0.0) -> dict[str, Any]:
+    """TTFT p50/p90, ITL p50 and E2E p50 of one simulated run, with the per-request terms added
+    to TTFT and E2E (ITL gets none)."""
     sim = _E2ESimulator(config)
     result = sim.run(workload)
     report = sim_summary(result, series=False)
+    ttft, e2e = with_terms(sim.ttft_rows, fixed_ms, miss_ms), with_terms(sim.e2e_rows, fixed_ms, miss_ms)
+    split = {kind: with_terms([r for r in sim.ttft_rows if r[1] == (kind == "miss")], fixed_ms, miss_ms)
+             for kind in ("hit", "miss")}
     return {
-        "ttft_ms_p50": report["ttft_ms_p50"], "ttft_ms_p90": report["ttft_ms_p90"],
-        "itl_ms_p50": report["itl_ms_p50"], "e2e_ms_p50": percentile(sorted(sim.e2e_ms), 50),
+        "ttft_ms_p50_by_cache": {k: percentile(v, 50) if v else None for k, v in split.items()},
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+        "itl_ms_p50": report["itl_ms_p50"], "e2e_ms_p50": percentile(e2e, 50),
         "completed": report["completed"], "stage_wait_ms": report["stage_wait_ms"],
         "idle_fraction": report["idle_fraction"],
     }
@@ -164,6 +186,15 @@ def measured_metrics(records: list[RequestRecord]) -> dict[str, float | None]:
         "itl_ms_p50": hist_percentile(dict(gaps), 50) if gaps else None,
         "e2e_ms_p50": percentile(sorted(r.e2e_s * 1000 for r in ok if r.e2e_s is not None), 50),
     }
+
+
+def ttft_p50_by_cache(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Client TTFT p50 of the answered requests that hit the encoder cache, and of those that missed."""
+    split: dict[str, list[float]] = {"hit": [], "miss": []}
+    for r in records:
+        if r.ok and r.ttft_s is not None and r.ttft_breakdown:
+            split["hit" if cache_hits(r, False) else "miss"].append(r.ttft_s * 1000)
+    return {k: percentile(sorted(v), 50) if v else None for k, v in split.items()}
 
 
 def drift(records: list[RequestRecord]) -> float | None:
@@ -207,14 +238,6 @@ def growth(idle: dict[str, Any], measured: dict[str, Any], stages: dict[str, flo
             "measured_encode_plus_pipeline": delta("encode_plus_pipeline_ms"),
             "measured_gateway_http": delta("client_minus_stages_ms"),
             "simulated": raw["ttft_ms_p50"] - idle["sim"]["ttft_ms_p50"]}
-
-
-def with_term(predicted: dict[str, Any], fixed_ms: float) -> dict[str, Any]:
-    out = dict(predicted)
-    for key in ("ttft_ms_p50", "ttft_ms_p90", "e2e_ms_p50"):
-        if out.get(key) is not None:
-            out[key] += fixed_ms
-    return out
 
 
 def ratios(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, float | None]:
@@ -265,36 +288,49 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     _, idle = await bench(base, requests=args.idle_requests, concurrency=1, image_pool=args.idle_requests,
                           max_tokens=mt, seed=args.seed + 300)
     idle_measured = measured_metrics(idle)
-    idle_sim = simulate_run(config, Workload(trace=trace_from_records(idle, prompt, mt)))
-    fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"]
+    idle_trace = Workload(trace=trace_from_records(idle, prompt, mt))  # fresh images: every request a miss
+    idle_sim = simulate_run(config, idle_trace)
+    idle_stages = breakdown_p50(idle)
+    # what a miss costs the real request beyond the simulated encode (batching window, RPC, cache write)
+    miss_ms = max(0.0, idle_stages.get("encode_ms", 0.0) - CostModel(service).encode_ms(1) - service.encode_request_ms)
+    fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"] - miss_ms
     cap, _ = await bench(base, requests=160, concurrency=CAPACITY_CONCURRENCY, image_pool=160, max_tokens=mt,
                          seed=args.seed + 400)
-    idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": breakdown_p50(idle)}
-    points = [await _load_point(args, base, server, config, prompt, idle_doc, fixed_ms, load * cap["req_per_s"],
+    idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": idle_stages}
+    points = [await _load_point(args, base, server, config, prompt, idle_doc, fixed_ms, miss_ms, load * cap["req_per_s"],
                                 args.seed + i)
               for i, load in enumerate(args.load_list)]  # a seed per load: its own images, none cached before
     return {
         "placement": placement, "service_times_file": str(out_file), "service_times": service.to_dict(),
+        "profile_tables": st.load(out_file).tables.to_dict(),
         "prompt_tokens": prompt, "capacity_req_per_s": cap["req_per_s"],
-        "idle": idle_doc, "fixed_term_ms": fixed_ms, "loads": {str(load): point for load, point in zip(args.load_list, points)},
+        "idle": idle_doc, "fixed_term_ms": fixed_ms, "miss_term_ms": miss_ms, "loads": {str(load): point for load, point in zip(args.load_list, points)},
     }
 
 
 async def _load_point(args: argparse.Namespace, base: str, server: Proc, config: SimConfig, prompt: int,
-                      idle: dict[str, Any], fixed_ms: float, rate: float, seed: int) -> dict[str, Any]:
+                      idle: dict[str, Any], fixed_ms: float, miss_ms: float, rate: float, seed: int) -> dict[str, Any]:
     """One Poisson load on the stack, and the simulator's prediction of it."""
     mt, n = args.max_tokens, args.requests
     load_before, cpu_before, client_before = os.getloadavg()[0], server.cpu_seconds(), time.process_time()
+    host_before, wall = host_busy(), time.monotonic()
     report, records = await bench(base, requests=n, rate=rate, image_pool=args.image_pool, max_tokens=mt, seed=seed)
+    wall, host_after = time.monotonic() - wall, host_busy()
     cpu = {k: v - cpu_before.get(k, 0.0) for k, v in server.cpu_seconds().items()}
+    stack_cores = sum(cpu.values()) / wall
     cpu["load_generator"] = time.process_time() - client_before
+    # the host's other work during this load (the load generator included): its busy cores less the stack's
+    background = max(0.0, busy_cores(os.cpu_count() or 1, host_before, host_after) - stack_cores)
+    if config.service.host_cores:
+        config = config.with_(service=config.service.replace(host_background_cores=round(background, 3)))
     measured = measured_metrics(records)
-    raw = simulate_run(config, Workload(trace=trace_from_records(records, prompt, mt)))
-    predicted = with_term(raw, fixed_ms)
+    trace = Workload(trace=trace_from_records(records, prompt, mt))
+    raw = simulate_run(config, trace)
+    predicted = simulate_run(config, trace, fixed_ms, miss_ms)
+    own_cores = simulate_run(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms, miss_ms)
     outputs = [sampled_tokens(r.output_tokens, mt) for r in records if r.ok]
     pool_hit_ratio = 1.0 - min(args.image_pool, n) / n
-    poisson = with_term(simulate_run(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, seed)),
-                        fixed_ms)
+    poisson = simulate_run(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, seed), fixed_ms, miss_ms)
     hits = [cache_hits(r, False) for r in records if r.ok and r.ttft_breakdown]
     stages = breakdown_p50(records)
     ratio = ratios(predicted, measured)
@@ -303,12 +339,15 @@ async def _load_point(args: argparse.Namespace, base: str, server: Proc, config:
         "failed_by_status": report["failed_by_status"], "answers_correct": report["answers_correct"],
         "sampled_tokens_mix": dict(Counter(outputs)), "image_pool": args.image_pool,
         "cache_hit_ratio_pool": pool_hit_ratio, "cache_hit_ratio_measured": sum(hits) / len(hits) if hits else None,
-        "measured": measured, "measured_breakdown_p50": stages, "ttft_p50_last_over_first_third": drift(records),
+        "measured": measured, "measured_ttft_ms_p50_by_cache": ttft_p50_by_cache(records),
+        "measured_breakdown_p50": stages, "ttft_p50_last_over_first_third": drift(records),
         "ttft_p50_growth_from_idle_ms": growth(idle, measured, stages, raw),
         "sim_raw": raw, "predicted": predicted, "ratio": ratio,
         "within_target": {k: within(v) for k, v in ratio.items()}, "ratio_raw": ratios(raw, measured),
         "sim_poisson": poisson, "ratio_poisson": ratios(poisson, measured),
+        "sim_own_cores": own_cores, "ratio_own_cores": ratios(own_cores, measured),
         "cpu_cores_used": {k: round(v / report["duration_s"], 3) for k, v in sorted(cpu.items())},
+        "host_background_cores": round(background, 3),
         "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
     }
 
@@ -328,9 +367,14 @@ def table(result: dict[str, Any]) -> str:
     idle = result["idle"]
     lines = [
         f"[{result['placement']}] prompt {result['prompt_tokens']} tokens; closed-loop capacity "
-        f"{result['capacity_req_per_s']:.1f} req/s; fixed per-request term {result['fixed_term_ms']:.1f} ms = idle "
-        f"TTFT p50 {idle['measured']['ttft_ms_p50']:.1f} - simulated idle TTFT p50 {idle['sim']['ttft_ms_p50']:.1f}"
-        f" (idle breakdown: client TTFT - encode - pipeline = {_f(idle['breakdown_p50'].get('client_minus_stages_ms'))} ms)",
+        f"{result['capacity_req_per_s']:.1f} req/s; host cores {result['service_times']['host_cores']}, gateway "
+        f"{result['service_times']['gateway_request_ms']:.1f} + {result['service_times']['gateway_finish_ms']:.1f} ms/request, "
+        f"encoder {result['service_times']['encode_request_ms']:.1f} and prefill "
+        f"{result['service_times']['prefill_request_ms']:.1f} ms/request beyond their timed work",
+        f"  terms: miss {result['miss_term_ms']:.1f} ms = idle encode p50 (breakdown) - simulated encode of a miss; fixed "
+        f"{result['fixed_term_ms']:.1f} ms = idle TTFT p50 {idle['measured']['ttft_ms_p50']:.1f} - simulated idle TTFT p50 "
+        f"{idle['sim']['ttft_ms_p50']:.1f} - miss term (idle breakdown: client TTFT - encode - pipeline = "
+        f"{_f(idle['breakdown_p50'].get('client_minus_stages_ms'))} ms)",
     ]
     for load, point in result["loads"].items():
         cores = point["cpu_cores_used"]
@@ -342,16 +386,21 @@ def table(result: dict[str, Any]) -> str:
             f"{_f(point['ttft_p50_last_over_first_third'], 2)}"
             + (" (the queue grew: past capacity)" if (point["ttft_p50_last_over_first_third"] or 0) > 2 else ""),
             "  CPU cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
-            + f" (total {sum(cores.values()):.2f} of {os.cpu_count()})",
+            + f" (total {sum(cores.values()):.2f} of {os.cpu_count()}); host busy with other work (load generator "
+            f"included) {point['host_background_cores']:.2f} cores: the simulated host's background for this load",
             f"  {'metric':<12}{'measured':>10}{'predicted':>11}{'ratio':>7}{'<=25%':>7}{'sim raw':>10}{'ratio':>7}"
-            f"{'poisson':>10}{'ratio':>7}",
+            f"{'poisson':>10}{'ratio':>7}{'own cores':>10}{'ratio':>7}",
         ]
         for k in METRICS:
             ratio = point["ratio"][k]
             lines.append(
                 f"  {k:<12}{_f(point['measured'][k]):>10}{_f(point['predicted'][k]):>11}{_f(ratio, 2):>7}"
                 f"{('yes' if within(ratio) else 'no'):>7}{_f(point['sim_raw'][k]):>10}{_f(point['ratio_raw'][k], 2):>7}"
-                f"{_f(point['sim_poisson'][k]):>10}{_f(point['ratio_poisson'][k], 2):>7}")
+                f"{_f(point['sim_poisson'][k]):>10}{_f(point['ratio_poisson'][k], 2):>7}"
+                f"{_f(point['sim_own_cores'][k]):>10}{_f(point['ratio_own_cores'][k], 2):>7}")
+        hm, hp = point["measured_ttft_ms_p50_by_cache"], point["predicted"]["ttft_ms_p50_by_cache"]
+        lines.append(f"  TTFT p50 of cache hits / misses: measured {_f(hm['hit'])} / {_f(hm['miss'])} ms, predicted "
+                     f"{_f(hp['hit'])} / {_f(hp['miss'])} ms")
         g = point["ttft_p50_growth_from_idle_ms"]
         lines.append(f"  TTFT p50 growth from idle: measured {_f(g['measured'])} ms (medians: encode + pipeline "
                      f"{_f(g['measured_encode_plus_pipeline'])}, gateway/HTTP {_f(g['measured_gateway_http'])}); "

@@ -16,8 +16,9 @@ from bench.sim_vs_real import (
     sampled_tokens,
     sim_config,
     simulate_run,
+    ttft_p50_by_cache,
     trace_from_records,
-    with_term,
+    with_terms,
 )
 from runtime.service_times import ServiceTimes
 from sim.workload import Workload
@@ -71,9 +72,13 @@ def test_measured_metrics_terms_and_ratios():
     m = measured_metrics(records)
     assert m["ttft_ms_p50"] == pytest.approx(30.0)
     assert m["itl_ms_p50"] == pytest.approx(10.0)
-    predicted = with_term({"ttft_ms_p50": 20.0, "ttft_ms_p90": 40.0, "itl_ms_p50": 5.0, "e2e_ms_p50": 50.0}, 10.0)
-    assert predicted == {"ttft_ms_p50": 30.0, "ttft_ms_p90": 50.0, "itl_ms_p50": 5.0, "e2e_ms_p50": 60.0}
+    predicted = {"ttft_ms_p50": 30.0, "ttft_ms_p90": 50.0, "itl_ms_p50": 5.0, "e2e_ms_p50": 60.0}
     assert ratios(predicted, m)["ttft_ms_p50"] == pytest.approx(1.0)
+    assert ratios(predicted, m)["itl_ms_p50"] == pytest.approx(0.5)
+
+
+def test_terms_add_the_miss_cost_only_to_requests_that_missed_the_cache():
+    assert with_terms([(10.0, True), (5.0, False), (1.0, True)], 2.0, 3.0) == [6.0, 7.0, 15.0]
 
 
 def test_simulated_idle_request_is_the_sum_of_its_stages():
@@ -81,6 +86,9 @@ def test_simulated_idle_request_is_the_sum_of_its_stages():
                            decode_step_base_ms=5.0, link_setup_ms=1.0, kv_bytes_per_token=1)
     trace = ((0.0, 26, 4, 1, 0), (1000.0, 26, 4, 1, 0))
     out = simulate_run(sim_config("disaggregated", service), Workload(trace=trace))
+    with_terms_ = simulate_run(sim_config("disaggregated", service), Workload(trace=trace), 3.0, 2.0)
+    assert with_terms_["ttft_ms_p50"] == pytest.approx(16.0 + 3.0 + 2.0, abs=0.1)  # both missed the cache
+    assert with_terms_["itl_ms_p50"] == out["itl_ms_p50"]
     # encode 5 + prefill 10 + link 1 (the prefill's token goes out as the KV lands); then 3 steps of 5 ms
     assert out["ttft_ms_p50"] == pytest.approx(16.0, abs=0.1)
     assert out["e2e_ms_p50"] == pytest.approx(31.0, abs=0.1)
@@ -101,3 +109,12 @@ def test_arguments():
     for bad in (["--placements", "split"], ["--loads", "1.5"], ["--loads", "x"], ["--requests", "1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_ttft_split_by_cache_hit():
+    records = [record(0, 0, 0.0, hits=1.0, ttft_s=0.01), record(1, 1, 0.1, hits=0.0, ttft_s=0.03),
+               record(2, 2, 0.2, hits=0.0, ttft_s=0.05), record(3, 3, 0.3, ttft_s=0.9)]  # no breakdown: left out
+    assert ttft_p50_by_cache(records) == {"hit": pytest.approx(10.0), "miss": pytest.approx(40.0)}
+    service = ServiceTimes(encode_base_ms=4.0, encode_ms_per_image=1.0, encode_cache_hit_ms=0.0)
+    out = simulate_run(sim_config("colocated", service), Workload(trace=((0.0, 26, 2, 1, 0), (500.0, 26, 2, 1, 1))))
+    assert out["ttft_ms_p50_by_cache"]["miss"] - out["ttft_ms_p50_by_cache"]["hit"] == pytest.approx(5.0)
