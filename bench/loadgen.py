@@ -7,7 +7,11 @@ A run, in order:
 3. at each send time start a task; a ``concurrency`` semaphore caps requests in
    flight, so a task may wait for a slot before it sends (timing starts at send);
 4. each task streams one chat completion and fills a ``RequestRecord``
-   (``client.py``), and the progress line moves;
+   (``client.py``), and the progress line moves; requests are spread over
+   several HTTP clients, at most ``CONNECTIONS_PER_CLIENT`` connections each
+   (httpx's pool does work in proportion to its connections on every request
+   event, so one client with hundreds of open streams stalls the generator's
+   event loop for seconds, and sends go out late and in bursts);
 5. aggregate the records into the report (``metrics.py``) and print / write it.
 
 Library use: ``run_bench(BenchConfig(...)) -> dict`` (the report), or
@@ -143,8 +147,11 @@ async def resolve_model(client: httpx.AsyncClient, base: str) -> str:
         raise BenchError(f"no --model given and GET {base}/v1/models named none ({exc})") from exc
 
 
+CONNECTIONS_PER_CLIENT = 32
+
+
 async def _run_requests(
-    config: BenchConfig, workload: Workload, client: httpx.AsyncClient, model: str,
+    config: BenchConfig, workload: Workload, clients: list[httpx.AsyncClient], model: str,
     on_done: Callable[[RequestRecord], None],
 ) -> tuple[list[RequestRecord], float]:
     offsets = send_offsets(config.requests, config.rate, config.burstiness, config.seed)
@@ -157,6 +164,7 @@ async def _run_requests(
         record = RequestRecord(spec.index, spec.image_index, spec.long, spec.answer)
         async with slots:
             record.start_s = time.perf_counter() - start
+            client = clients[index % len(clients)]
             await send_chat(client, url, chat_body(spec, model, config.max_tokens), record, config.timeout_s)
         on_done(record)
         return record
@@ -177,14 +185,20 @@ async def arun_bench(config: BenchConfig | Mapping[str, Any]) -> BenchResult:
     workload = build_workload(config.requests, config.image_pool, config.seed, config.long_fraction,
                               config.long_prompt_words, config.image_size)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
-    # trust_env=False: no proxy from the environment between the client and the server measured.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits,
-                                 headers=headers, trust_env=False) as client:
-        model = config.model or await resolve_model(client, config.base)
+    # a capped run needs concurrency / 32 clients; an open-loop one as many as its requests could
+    in_flight = config.concurrency or config.requests
+    n_clients = max(1, min(64, -(-in_flight // CONNECTIONS_PER_CLIENT)))
+    # no cap per client (the semaphore or the arrival rate is the cap): a request never waits for a connection
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=-(-in_flight // n_clients))
+    async with contextlib.AsyncExitStack() as stack:
+        # trust_env=False: no proxy from the environment between the client and the server measured.
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            timeout=httpx.Timeout(config.timeout_s), limits=limits, headers=headers, trust_env=False))
+            for _ in range(n_clients)]
+        model = config.model or await resolve_model(clients[0], config.base)
         progress = Progress(config.requests, sys.stderr if config.progress else None)
         try:
-            records, duration_s = await _run_requests(config, workload, client, model, progress.update)
+            records, duration_s = await _run_requests(config, workload, clients, model, progress.update)
         finally:
             progress.close()
     report = summarize(records, duration_s, config.ttft_slo_ms, config.itl_slo_ms, config.check_answers)
