@@ -3,7 +3,8 @@
     python -m bench.soak [--requests 2000] [--overload 2.0] [--ttft-slo-ms 1500]
 
 1. start ``epd serve`` on the demo model (the gateway's TTFT SLO set by ``EPD_TTFT_SLO_MS``);
-2. measure capacity: closed loop, 16 concurrent image requests;
+2. measure capacity: closed loop, 64 concurrent image requests (enough that the stack's
+   throughput, not one request's latency, is the limit);
 3. soak: ``--requests`` Poisson arrivals at ``--overload`` x capacity;
 4. report: how many were refused early (429 with Retry-After) vs failed late (504/5xx),
    the admitted requests' TTFT/ITL and goodput against the SLOs, the stack's resident
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo-ms", type=float, default=1500.0)
     p.add_argument("--itl-slo-ms", type=float, default=500.0)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "demo-vlm")
+    p.add_argument("--capacity-concurrency", type=int, default=64,
+                   help="requests in flight while measuring capacity (closed loop)")
     p.add_argument("--no-pin", action="store_true",
                    help="let the load generator share cores with the stack (default: it gets core 0 to itself)")
     args = p.parse_args(argv)
@@ -136,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(f"{base}/health", [server])
         pinned = None if args.no_pin else pin_apart(server.proc.pid)
         run_bench(BenchConfig(base=base, requests=32, concurrency=8, progress=False))  # warm-up
-        capacity = run_bench(BenchConfig(base=base, requests=160, concurrency=16, image_pool=160, max_tokens=8,
+        # enough in flight that throughput, not one request's latency, is the limit
+        capacity = run_bench(BenchConfig(base=base, requests=args.capacity_concurrency * 8,
+                                         concurrency=args.capacity_concurrency, image_pool=160, max_tokens=8,
                                          progress=False))
         rate = capacity["req_per_s"] * args.overload
         rss_before = stack_rss_mib(server.proc.pid)
