@@ -64,9 +64,8 @@ class ServiceTimes:
                              (one event loop) every request passes before encode
     gateway_finish_ms      = the rest of the gateway's CPU per request (RPCs, streaming,
                              release), charged to that stage when the request finishes
-    encode_request_ms      = the encoder's CPU per request with images beyond its timed
-                             encodes (cache-check and encode RPCs, cache writes); such a
-                             request then always passes the encoder stage
+    encode_request_ms      = the encoder's CPU per request that encodes, beyond its timed
+                             encodes (the encode RPC, cache writes)
     prefill_request_ms     = the prefill worker's CPU per request beyond its timed passes
                              (embedding fetch, RPCs, KV sends), before its first chunk
     host_cores             = N > 0: every stage's work shares N cores (``sim/host_cpu.py``,

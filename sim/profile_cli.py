@@ -14,9 +14,9 @@ stage's service time, so the load is shaped to keep the stages out of each other
    (their processes, found by listening port) give what each spends per request beyond the
    compute it times (RPCs, cache reads and writes, KV sends): ``encode_request_ms``,
    ``prefill_request_ms``;
-2. bursts of concurrent requests sharing one image, already cached (so no encoder work and
-   ``encode_cache_hit_ms``, the encoder time a cache hit costs, from their breakdowns):
-   decode steps at larger batches, kept only from the burst's largest batch on, when every
+2. bursts of concurrent requests sharing one image, already cached: ``encode_cache_hit_ms``,
+   what a cache hit costs the encoder (its CPU per request here on a local stack -- the
+   cache-check RPC --, else the encode time in their breakdowns), and decode steps at larger batches, kept only from the burst's largest batch on, when every
    prefill of the burst is done and nothing else competes for the cores.
 
 The tables and their linear fit are written in the service-time file format that
@@ -104,18 +104,19 @@ def _worker_cpu_s(address: str) -> float | None:
     return None
 
 
-def overhead_ms(cpu: list[float | None], times: tuple[float, float, float], requests: int, timed_ms: float) -> float | None:
+def overhead_ms(cpu: list[float | None], times: tuple[float, float, float, float], requests: int,
+                timed_ms: float) -> float | None:
     """CPU ms per request beyond the ``timed_ms`` the role timed itself over ``requests`` requests.
 
-    ``cpu`` and ``times`` are three readings: before and after an idle stretch (the idle rate),
-    then after the requests. None when a reading is missing; never below 0.
+    ``cpu`` and ``times`` are four readings: the first two around an idle stretch (the idle
+    rate), the last two around the requests. None when a reading is missing; never below 0.
     """
     if None in cpu or not requests:
         return None
-    c0, c1, c2 = cpu  # type: ignore[misc]
-    t0, t1, t2 = times
+    c0, c1, c2, c3 = cpu  # type: ignore[misc]
+    t0, t1, t2, t3 = times
     idle_rate = (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
-    busy_ms = (c2 - c1 - idle_rate * (t2 - t1)) * 1000.0
+    busy_ms = (c3 - c2 - idle_rate * (t3 - t2)) * 1000.0
     return max(0.0, (busy_ms - timed_ms) / requests)
 
 
@@ -225,22 +226,29 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         seed += 1
         await _chat(client, base, model, 8, seed, 16)  # caches the image
         await samples.read()
-        hit_ms = []
+        hit_ms: list[float] = []
+        cpu3, t3, bursts = await cpu_now(), time.monotonic(), 0
         for batch in batches:
             for _ in range(repeats):
                 outs = await asyncio.gather(*(_chat(client, base, model, 8, seed, 16) for _ in range(batch)))
+                bursts += batch
                 hit_ms += [o["breakdown"]["encode_ms"] for o in outs if "encode_ms" in o["breakdown"]]
                 steps = (await samples.read())["decode_step"]
                 tables["decode_step"] += [steps[i] for i in from_peak([x for x, _ in steps])]
+        cpu4, t4 = await cpu_now(), time.monotonic()
     measured = st.MeasuredTables(**{k: tuple(v) for k, v in tables.items()})
     prior = st.ServiceTimes()
     changes: dict[str, float | int] = {}
     if kv_per_token:
         changes["kv_bytes_per_token"] = int(round(sum(kv_per_token) / len(kv_per_token)))
-    if hit_ms:
+    per_request = {r: overhead_ms([cpu0[r], cpu1[r], cpu1[r], cpu2[r]], (t0, t1, t1, t2), sequential, timed.get(r, 0.0))
+                   for r in cpu0}
+    hit_cpu = overhead_ms([cpu0.get("encoder"), cpu1.get("encoder"), cpu3.get("encoder"), cpu4.get("encoder")],
+                          (t0, t1, t3, t4), bursts, 0.0) if "encoder" in cpu0 else None
+    if hit_cpu is not None:
+        changes["encode_cache_hit_ms"] = hit_cpu
+    elif hit_ms:
         changes["encode_cache_hit_ms"] = _median(hit_ms)
-    times = (t0, t1, t2)
-    per_request = {r: overhead_ms([cpu0[r], cpu1[r], cpu2[r]], times, sequential, timed.get(r, 0.0)) for r in cpu0}
     if per_request["gateway"] is not None and gateway_ms:
         changes["gateway_request_ms"] = before = min(_median(gateway_ms), per_request["gateway"])
         changes["gateway_finish_ms"] = per_request["gateway"] - before

@@ -495,10 +495,9 @@ def test_profile_counts_the_cores_other_work_keeps_busy() -> None:
 
 def test_per_request_cpu_of_encoder_and_prefill_lengthens_their_stages() -> None:
     prefill = 20 + 0.035 * 100
-    hits = ServiceTimes(encode_cache_hit_ms=0.0, encode_request_ms=2.0)  # every image request asks the encoder
-    r = run("colocated", [(0.0, 100, 1, 1, 1)], service=hits)
-    assert r.metrics.ttft_ms == [pytest.approx(2.0 + prefill)]
-    assert run("colocated", [(0.0, 100, 1, 0, 0)], service=hits).metrics.ttft_ms == [pytest.approx(prefill)]
+    service = ServiceTimes(encode_base_ms=0.0, encode_ms_per_image=3.0, encode_cache_hit_ms=0.5, encode_request_ms=2.0)
+    r = run("colocated", [(0.0, 100, 1, 1, 0), (1000.0, 100, 1, 1, 1), (2000.0, 100, 1, 0, 0)], service=service)
+    assert r.metrics.ttft_ms == pytest.approx([3.0 + 2.0 + prefill, 0.5 + prefill, prefill])  # miss, hit, no image
     remote = ServiceTimes(prefill_request_ms=5.0)
     plain = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000)
     slower = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000, service=remote)
@@ -509,6 +508,7 @@ def test_profile_overhead_is_cpu_beyond_the_timed_work_less_the_idle_rate() -> N
     from sim.profile_cli import overhead_ms
 
     # idle 0.01 s CPU per s; 10 requests over 2 s used 0.12 s: 0.10 s of work, 40 ms of it timed
-    assert overhead_ms([1.0, 1.01, 1.13], (0.0, 1.0, 3.0), 10, 40.0) == pytest.approx(6.0)
-    assert overhead_ms([1.0, None, 1.13], (0.0, 1.0, 3.0), 10, 40.0) is None
-    assert overhead_ms([1.0, 1.01, 1.02], (0.0, 1.0, 3.0), 10, 40.0) == 0.0  # never below 0
+    assert overhead_ms([1.0, 1.01, 1.01, 1.13], (0.0, 1.0, 1.0, 3.0), 10, 40.0) == pytest.approx(6.0)
+    assert overhead_ms([1.0, 1.01, 2.0, 2.12], (0.0, 1.0, 5.0, 7.0), 10, 40.0) == pytest.approx(6.0)  # a later phase
+    assert overhead_ms([1.0, None, 1.01, 1.13], (0.0, 1.0, 1.0, 3.0), 10, 40.0) is None
+    assert overhead_ms([1.0, 1.01, 1.01, 1.02], (0.0, 1.0, 1.0, 3.0), 10, 40.0) == 0.0  # never below 0
