@@ -85,7 +85,7 @@ class Orchestrator:
         self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe,
                                                    on_refresh=self._publish_queue_depths)
         self.chunk_tokens = settings.prefill_chunk_tokens
-        self.pressure = FirstTokenPressure()
+        self.pressure = FirstTokenPressure(overrun_quantile=settings.admission_quantile)
         self.seen_images = SeenImages()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -101,7 +101,7 @@ class Orchestrator:
         return bool(r.healthy("encoder")) and bool(r.healthy("decode")) and prefill_ok
 
     def backlog_ms(self) -> float:
-        return self.pressure.wait_ms()
+        return self.pressure.shed_estimate_ms()
 
     def status(self) -> dict:
         return {**self.registry.status(), "placement_mode": self.settings.placement,
@@ -151,6 +151,7 @@ class Orchestrator:
             raise AdmissionRefused(429, "request refused at admission: the TTFT deadline is already past", 1.0)
         breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
         refs, keys, checked, n_cached, encoder = await self._image_refs(job)
+        remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=n_cached)
         admission = admit(shape, self._stage_loads(), self.cost_model, self.settings.placement, remaining_ms,
@@ -160,15 +161,19 @@ class Orchestrator:
             status = 503 if admission.reason == "no_decode_workers" else 429
             raise AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s)
         decision = admission.decision
-        backlog_ms = self.pressure.wait_ms()
-        if decision.estimates["ttft_ms"] + backlog_ms > remaining_ms:
+        backlog_ms, overrun_ms = self.pressure.wait_ms(), self.pressure.overrun_ms()
+        # the overrun is learnt against the model's own prediction, without itself: a stationary target
+        model_ms = decision.estimates["ttft_ms"] + backlog_ms
+        admitted_at = time.monotonic()
+        if model_ms + overrun_ms > remaining_ms:
             m.ADMISSION_REJECTED.labels("pipeline_backlog").inc()
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
-                                   max(1.0, backlog_ms / 1000.0))
+                                   max(1.0, (backlog_ms + overrun_ms) / 1000.0))
         m.PLACEMENT.labels(decision.placement, decision.reason).inc()
         breakdown["estimated_ttft_ms"] = decision.estimates.get("ttft_ms", 0.0)
         breakdown["backlog_ms"] = backlog_ms
-        self.pressure.admitted()
+        breakdown["overrun_ms"] = overrun_ms
+        self.pressure.admitted(intake_ms=(admitted_at - job.arrival_s) * 1000)
         first = True
         try:
             if encoder is not None and n_cached < len(refs):
@@ -195,7 +200,8 @@ class Orchestrator:
                 async for event in events:
                     if first:
                         first = False
-                        self.pressure.left(got_first_token=True)
+                        took_ms = (time.monotonic() - admitted_at) * 1000
+                        self.pressure.left(got_first_token=True, overrun_ms=took_ms - model_ms)
                     yield event
         finally:
             if first:

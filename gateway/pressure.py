@@ -6,6 +6,28 @@ queues). This tracker measures the whole pipeline from outside: requests admitte
 and still waiting for a first token (L), and the rate at which first tokens come
 out (lambda, over a sliding window). ``wait_ms = L / lambda`` is added to every
 TTFT estimate at admission, so a backlog anywhere turns into early 429s.
+
+It also keeps the estimate honest: for each first token, the *overrun* is the
+TTFT the request really had (from admission) minus what the model predicted for
+it (stage estimate + backlog, without the overrun term itself, so the target
+does not chase its own correction). ``overrun_ms`` is a high quantile of the
+recent overruns (0 when they are negative or too few; the quantile is about the
+share of admitted requests meant to make their deadline), and admission adds
+it too: when the
+pipeline has been slower than the cost model says (stages that share cores, a
+busy host), new requests are judged by how slow it really was, so the ones
+admitted still meet their deadline. It fades out with the window.
+
+Before a request's body is read, the gateway can refuse it cheaply; the
+estimate for that check (``shed_estimate_ms``) adds the recent median *intake*
+(arrival to admission decision: reading the body, loading images, tokenizing),
+the part of TTFT a request spends before admission sees it. Under overload,
+most refusals then happen there, and the CPU goes to admitted requests.
+
+After a quiet spell (too few first tokens in the window) the rate is not
+trusted, but a burst can arrive all at once: then the highest rate trusted in
+the last ``memory_s`` stands in (what the pipeline was seen to sustain), so the
+burst queues against a real throughput instead of being admitted wholesale.
 """
 
 from __future__ import annotations
@@ -15,35 +37,82 @@ from collections import deque
 
 
 class FirstTokenPressure:
-    def __init__(self, window_s: float = 5.0, min_samples: int = 8):
+    def __init__(self, window_s: float = 5.0, min_samples: int = 8, overrun_quantile: float = 0.95,
+                 memory_s: float = 60.0):
+        if not 0.0 <= overrun_quantile <= 1.0:
+            raise ValueError(f"overrun_quantile must be in [0, 1], got {overrun_quantile}")
         self.window_s = window_s
         self.min_samples = min_samples         # below this, no rate is trusted (start-up, after idle)
+        self.overrun_quantile = overrun_quantile
+        self.memory_s = memory_s
+        self._peak: tuple[float, float] | None = None   # (time, rate): highest trusted rate lately
         self.waiting = 0                       # admitted, no first token yet
-        self._firsts: deque[float] = deque()   # times of recent first tokens
+        self._firsts: deque[tuple[float, float]] = deque()   # (time, overrun ms) of recent first tokens
+        self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions
 
-    def admitted(self) -> None:
+    def admitted(self, intake_ms: float = 0.0) -> None:
         self.waiting += 1
+        now = time.monotonic()
+        self._intakes.append((now, intake_ms))
+        while self._intakes and self._intakes[0][0] < now - self.window_s:
+            self._intakes.popleft()
 
-    def left(self, got_first_token: bool) -> None:
-        """Exactly once per admitted request: at its first token, or when it ends without one."""
+    def left(self, got_first_token: bool, overrun_ms: float = 0.0) -> None:
+        """Exactly once per admitted request: at its first token (with its TTFT minus the
+        admission estimate), or when it ends without one."""
         self.waiting -= 1
         if got_first_token:
-            self._firsts.append(time.monotonic())
+            self._firsts.append((time.monotonic(), overrun_ms))
+
+    def _recent(self) -> deque[tuple[float, float]]:
+        now = time.monotonic()
+        while self._firsts and self._firsts[0][0] < now - self.window_s:
+            self._firsts.popleft()
+        return self._firsts
 
     def rate_per_s(self) -> float | None:
         """First tokens per second over the part of the window that had any; None when too few."""
-        now = time.monotonic()
-        while self._firsts and self._firsts[0] < now - self.window_s:
-            self._firsts.popleft()
-        if len(self._firsts) < self.min_samples:
+        recent = self._recent()
+        if len(recent) < self.min_samples:
             return None
-        return len(self._firsts) / max(now - self._firsts[0], 1.0)
+        now = time.monotonic()
+        rate = len(recent) / max(now - recent[0][0], 1.0)
+        if self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s:
+            self._peak = (now, rate)
+        return rate
+
+    def _fallback_rate(self) -> float | None:
+        if self._peak is None or time.monotonic() - self._peak[0] > self.memory_s:
+            return None
+        return self._peak[1]
+
+    def overrun_ms(self) -> float:
+        """How much later than estimated recent first tokens came (the quantile); >= 0."""
+        recent = self._recent()
+        if len(recent) < self.min_samples:
+            return 0.0
+        overruns = sorted(o for _, o in recent)
+        return max(0.0, overruns[min(len(overruns) - 1, int(self.overrun_quantile * len(overruns)))])
+
+    def intake_ms(self) -> float:
+        """Median time from arrival to admission over the window; 0 when too few."""
+        now = time.monotonic()
+        while self._intakes and self._intakes[0][0] < now - self.window_s:
+            self._intakes.popleft()
+        if len(self._intakes) < self.min_samples:
+            return 0.0
+        intakes = sorted(i for _, i in self._intakes)
+        return intakes[len(intakes) // 2]
+
+    def shed_estimate_ms(self) -> float:
+        """What a request arriving now would wait for its first token, before its own stages."""
+        return self.intake_ms() + self.wait_ms() + self.overrun_ms()
 
     def wait_ms(self) -> float:
         """Expected queueing before a new request's first token; 0 while nothing waits."""
         if self.waiting <= 0:
             return 0.0
-        rate = self.rate_per_s()
+        rate = self.rate_per_s() or self._fallback_rate()
         if rate is None:
-            return 0.0  # no trustworthy throughput yet (start-up, after idle): the stage estimates decide
+            return 0.0  # no throughput seen yet (start-up, long idle): the stage estimates decide
         return 1000.0 * self.waiting / rate

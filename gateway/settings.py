@@ -29,6 +29,8 @@ class GatewaySettings(BaseSettings):
     ttft_slo_ms: float = Field(default=5000.0, gt=0)
     itl_slo_ms: float = Field(default=1000.0, gt=0)
     deadline_grace_ms: float = Field(default=250.0, ge=0)   # gateway waits this long past the TTFT deadline before its own 504
+    # admission adds this quantile of recent (actual - predicted) TTFT: about the share of admitted requests meant to meet it
+    admission_quantile: float = Field(default=0.95, ge=0, le=1)
 
     # request limits, all checked before any model work
     max_body_bytes: int = Field(default=20 * MiB, ge=1024)

@@ -27,6 +27,55 @@ def test_requests_that_end_without_a_token_leave_the_count():
     assert p.waiting == 0 and p.wait_ms() == 0.0
 
 
+def test_after_a_quiet_spell_a_burst_queues_against_the_rate_seen_last():
+    p = FirstTokenPressure(window_s=5.0, min_samples=4, memory_s=60.0)
+    for _ in range(8):
+        p.admitted()
+        p.left(got_first_token=True)
+    busy_rate = p.rate_per_s()
+    assert busy_rate is not None
+    p.window_s = 0.0                       # quiet: no first token in the window any more
+    assert p.rate_per_s() is None
+    for _ in range(40):                    # then a burst arrives at once
+        p.admitted()
+    assert abs(p.wait_ms() - 1000.0 * 40 / busy_rate) < 1e-6
+    p.memory_s = 0.0                       # long idle: nothing seen recently is trusted
+    assert p.wait_ms() == 0.0
+
+
+def test_overrun_is_a_high_quantile_of_recent_lateness_and_never_negative():
+    p = FirstTokenPressure(window_s=5.0, min_samples=4, overrun_quantile=0.9)
+    for overrun in (-50.0, -20.0, -10.0):
+        p.admitted()
+        p.left(got_first_token=True, overrun_ms=overrun)
+    assert p.overrun_ms() == 0.0                       # too few samples to trust
+    p.admitted()
+    p.left(got_first_token=True, overrun_ms=-5.0)
+    assert p.overrun_ms() == 0.0                       # early, not late: nothing to add
+    for overrun in [100.0] * 8 + [900.0] * 2:
+        p.admitted()
+        p.left(got_first_token=True, overrun_ms=overrun)
+    assert p.overrun_ms() == 900.0                     # 14 samples: the 90th percentile is one of the 900s
+    p.window_s = 0.0                                   # the window has passed
+    assert p.overrun_ms() == 0.0 and p.rate_per_s() is None
+
+
+def test_the_shed_estimate_adds_the_median_intake_once_trusted():
+    p = FirstTokenPressure(window_s=5.0, min_samples=4)
+    for intake in (10.0, 20.0, 30.0):
+        p.admitted(intake_ms=intake)
+    assert p.intake_ms() == 0.0                        # too few to trust
+    p.admitted(intake_ms=400.0)
+    assert p.intake_ms() == 30.0                       # median of 10, 20, 30, 400
+    assert p.shed_estimate_ms() == p.intake_ms() + p.wait_ms() + p.overrun_ms()
+
+
+def test_overrun_quantile_must_be_a_fraction():
+    import pytest
+    with pytest.raises(ValueError):
+        FirstTokenPressure(overrun_quantile=1.5)
+
+
 # -- the gateway's own event-loop lag (gateway/loop_lag.py) ------------------------------------
 import asyncio
 import time
