@@ -222,6 +222,7 @@ class _BulkProtocol(asyncio.BufferedProtocol):
     def _count(self, result: ChunkResult | None) -> None:
         if result is None:
             return
+        self.server.receiver.count(result)
         key = {ChunkOutcome.ACCEPTED: "accepted", ChunkOutcome.DUPLICATE: "duplicates"}.get(result.outcome, "rejected")
         self._counts[key] += 1
         if result.outcome == ChunkOutcome.REJECTED:

@@ -56,6 +56,13 @@ class KVReceiver:
     def __init__(self, table: ReservationTable, pool: KVBlockPool):
         self.table = table
         self.pool = pool
+        # chunks by outcome, over both paths (gRPC PushKV and bulk); exported as a counter
+        self.outcomes: dict[str, int] = {o.value: 0 for o in ChunkOutcome}
+
+    def count(self, result: ChunkResult) -> ChunkResult:
+        """Record one finished chunk's outcome (each chunk exactly once, by its path's reader)."""
+        self.outcomes[result.outcome.value] += 1
+        return result
 
     def admit(self, chunk: pb.KVChunk, payload_bytes: int) -> tuple[Reservation | None, ChunkResult | None]:
         """Every check that needs only the header and the payload's size. ``(res, None)`` means

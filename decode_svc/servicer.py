@@ -59,7 +59,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.address = ""
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self.serving = True
-        self.chunks_rejected = 0
         self._reaper: asyncio.Task | None = None
         self._on_stop: list = []
 
@@ -139,7 +138,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             chunk = self.faults.mangle_chunk(chunk)
             if chunk is None:
                 continue
-            result = self.receiver.land(chunk)
+            result = self.receiver.count(self.receiver.land(chunk))
             last = chunk
             if result.outcome == ChunkOutcome.ACCEPTED:
                 accepted += 1
@@ -148,7 +147,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             else:
                 rejected += 1
                 detail = result.detail
-        self.chunks_rejected += rejected
         state = ""
         if last is not None and (res := self.table.get(last.reservation.reservation_id)) is not None:
             state = res.attempt.state.name
@@ -267,7 +265,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
                 "free_blocks": self.pool.free_blocks, "running_seqs": len(self.scheduler.running),
-                "in_flight": self.table.active}
+                "in_flight": self.table.active,
+                **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         samples = self.timings.since(request.since_sample)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 class HasLocalStats(Protocol):
     def local_stats(self) -> dict[str, int]: ...
@@ -38,6 +38,12 @@ class _WorkerCollector:
                 g = GaugeMetricFamily(f"epd:worker_{name}", help_)
                 g.add_metric([], float(stats[name]))
                 yield g
+        chunks = {k.removeprefix("kv_chunks_"): v for k, v in stats.items() if k.startswith("kv_chunks_")}
+        if chunks:
+            c = CounterMetricFamily("epd:worker_kv_chunks", "KV chunks received, by outcome", labels=["outcome"])
+            for outcome, n in chunks.items():
+                c.add_metric([outcome], float(n))
+            yield c
 
 
 def serve_worker_metrics(port: int | None, servicer_fn: Callable[[], "HasLocalStats"]) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from cluster import DEMO_MODEL, Cluster
+from cluster import DEMO_MODEL, Cluster, free_port
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
@@ -60,6 +60,7 @@ class Env:
     adapter: VLMAdapter
     prompts: list[Prompt]
     total_blocks: int
+    metrics_url: str
 
     def prompt(self, i: int = 0) -> Prompt:
         return self.prompts[i % len(self.prompts)]
@@ -83,8 +84,9 @@ def _reference(model, processor, eos: int, seed: int) -> tuple[list[int], list[i
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> Env:
     cluster = Cluster(tmp_path_factory.mktemp("kv-handoff"))
+    metrics_port = free_port()
     worker = cluster.start("decode", "--kv-memory-mb", str(KV_MEMORY_MB),
-                           env={"EPD_LEASE_MARGIN_S": str(LEASE_MARGIN_S)})
+                           env={"EPD_LEASE_MARGIN_S": str(LEASE_MARGIN_S), "EPD_METRICS_PORT": str(metrics_port)})
     try:
         # load here while the worker process starts up
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -103,9 +105,25 @@ def env(tmp_path_factory) -> Env:
             stats = pb_grpc.DecodeStub(ch).Stats(pb.StatsRequest(), timeout=5)
         assert stats.model_fingerprint == adapter.model_fingerprint
         assert stats.free_blocks == stats.total_blocks > 0
-        yield Env(worker.address, adapter, prompts, stats.total_blocks)
+        yield Env(worker.address, adapter, prompts, stats.total_blocks, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         cluster.stop()
+
+
+def chunk_outcomes(env: Env) -> dict[str, float]:
+    """The worker's ``epd:worker_kv_chunks_total`` counter by outcome, scraped from its metrics port."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(env.metrics_url, timeout=5, trust_env=False).text.splitlines():
+        if line.startswith("epd:worker_kv_chunks_total{"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split('outcome="')[1].split('"')[0]] = float(value)
+    return out
+
+
+def outcome_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
 
 
 async def _stats(stub) -> pb.WorkerStats:
@@ -329,8 +347,10 @@ async def test_chunk_after_release_is_rejected_and_never_written(env, stub) -> N
     ack = await push(stub, kv_chunks(env, p, res, 16))
     assert ack.state == "SUCCESS"
     poison = [garbage_like(c) for c in kv_chunks(env, p, gone, 16)]
+    before = chunk_outcomes(env)
     late = await push(stub, poison)
     assert (late.accepted, late.duplicates, late.rejected, late.state) == (0, 0, len(poison), "")
+    assert outcome_delta(before, chunk_outcomes(env)) == {"rejected": len(poison)}   # operators see it too
     assert "unknown or released reservation" in late.detail
     tokens, finish, _ = await generate(stub, res)
     assert tokens == p.expected and finish == p.finish
@@ -494,6 +514,7 @@ async def test_bulk_chunk_cut_off_by_release_never_writes_into_the_next_owners_b
     res = await reserve(stub, env, p)                           # the very blocks `gone` had
     assert (await push(stub, kv_chunks(env, p, res, 16))).state == "SUCCESS"
 
+    before = chunk_outcomes(env)
     writer.write(payload[half:] + struct.pack("<I", 0))        # the rest of the stale chunk, after the new KV
     await writer.drain()
     size = struct.unpack("<I", await asyncio.wait_for(reader.readexactly(4), 5))[0]
@@ -501,6 +522,7 @@ async def test_bulk_chunk_cut_off_by_release_never_writes_into_the_next_owners_b
     writer.close()
     assert (reply.accepted, reply.rejected) == (0, 1)
     assert "released or re-armed while the chunk was arriving" in reply.detail
+    assert outcome_delta(before, chunk_outcomes(env)) == {"rejected": 1}   # the bulk path counts alike
 
     tokens, finish, _ = await generate(stub, res)
     assert tokens == p.expected and finish == p.finish
