@@ -68,6 +68,9 @@ class ServiceTimes:
                              encodes (the encode RPC, cache writes)
     prefill_request_ms     = the prefill worker's CPU per request beyond its timed passes
                              (embedding fetch, RPCs, KV sends), before its first chunk
+    decode_request_ms      = the decode worker's CPU per request beyond its timed steps and
+                             passes (reserve, KV receive, its stream; a colocated request's
+                             embedding fetch): one process, so it stalls the steps
     host_cores             = N > 0: every stage's work shares N cores (``sim/host_cpu.py``,
                              processor sharing); 0: each worker has its own processor
     host_background_cores  = cores' worth of other work on that host (shares them too)
@@ -89,6 +92,7 @@ class ServiceTimes:
     gateway_finish_ms: float = 0.0
     encode_request_ms: float = 0.0
     prefill_request_ms: float = 0.0
+    decode_request_ms: float = 0.0
     host_cores: int = 0
     host_background_cores: float = 0.0
 

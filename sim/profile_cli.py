@@ -10,10 +10,10 @@ stage's service time, so the load is shaped to keep the stages out of each other
    (the fixed cost once per request however many chunks). The gateway's own CPU seconds
    (its ``process_cpu_seconds_total``, less its idle rate) over these requests give its
    cost per request, split into the part before the pipeline (``gateway_ms`` of the TTFT
-   breakdown) and the rest. On a local stack the encoder's and prefill worker's CPU seconds
-   (their processes, found by listening port) give what each spends per request beyond the
-   compute it times (RPCs, cache reads and writes, KV sends): ``encode_request_ms``,
-   ``prefill_request_ms``;
+   breakdown) and the rest. On a local stack the workers' CPU seconds (their processes,
+   found by listening port) give what each spends per request beyond the compute it times
+   (RPCs, cache reads and writes, KV sends and receives, token streams):
+   ``encode_request_ms``, ``prefill_request_ms``, ``decode_request_ms``;
 2. bursts of concurrent requests sharing one image, already cached: ``encode_cache_hit_ms``,
    what a cache hit costs the encoder (its CPU per request here on a local stack -- the
    cache-check RPC --, else the encode time in their breakdowns), and decode steps at larger batches, kept only from the burst's largest batch on, when every
@@ -187,7 +187,8 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         seed = random.randrange(1 << 30)  # fresh images: encodes are measured, not cache hits
         # 1. one request at a time
         local = is_local(base)
-        watched = [("gateway", None)] + [(r, a) for r, a in roles if r in ("encoder", "prefill") and local]
+        watched = [("gateway", None)] + [(r, a) for r, a in roles if r in ("encoder", "prefill", "decode") and local]
+        remote_prefill = any(r == "prefill" for r, _ in roles)  # else the decode worker prefills
 
         async def cpu_now() -> dict[str, float | None]:
             """CPU seconds so far by role (the workers of a role summed; None if any is unreadable)."""
@@ -203,7 +204,7 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         cpu1, t1, host1 = await cpu_now(), time.monotonic(), host_busy()
         await samples.read()
         sequential = 0
-        timed = {"encoder": 0.0, "prefill": 0.0}
+        timed = {"encoder": 0.0, "prefill": 0.0, "decode": 0.0}
         for words in prompt_words:
             for _ in range(repeats):
                 seed += 1
@@ -216,7 +217,9 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
                     gateway_ms.append(b["gateway_ms"])
                 got = await samples.read()
                 timed["encoder"] += sum(ms for _, ms in got["encode"])
-                timed["prefill"] += sum(ms for _, ms in got["prefill"] + got["transfer"])
+                passes = sum(ms for _, ms in got["prefill"])
+                timed["prefill"] += passes + sum(ms for _, ms in got["transfer"])
+                timed["decode"] += sum(ms for _, ms in got["decode_step"]) + (0.0 if remote_prefill else passes)
                 if got["prefill"]:  # this request's passes, summed: one per-request point
                     tables["prefill"].append((sum(x for x, _ in got["prefill"]), sum(ms for _, ms in got["prefill"])))
                 for kind in ("decode_step", "transfer", "encode"):
@@ -252,7 +255,8 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
     if per_request["gateway"] is not None and gateway_ms:
         changes["gateway_request_ms"] = before = min(_median(gateway_ms), per_request["gateway"])
         changes["gateway_finish_ms"] = per_request["gateway"] - before
-    for role, field_name in (("encoder", "encode_request_ms"), ("prefill", "prefill_request_ms")):
+    for role, field_name in (("encoder", "encode_request_ms"), ("prefill", "prefill_request_ms"),
+                             ("decode", "decode_request_ms")):
         if per_request.get(role) is not None:
             changes[field_name] = per_request[role]  # type: ignore[assignment]
     if host_cores is None:

@@ -87,7 +87,7 @@ class Simulator:
             (DecodeWorker if cpu is None else SharedDecodeWorker)(
                 i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens, step_base_ms=p.decode_step_base_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
-                accepts_local=cfg.placement != "disaggregated", **shared,
+                accepts_local=cfg.placement != "disaggregated", request_ms=p.decode_request_ms, **shared,
             )
             for i in range(n_decode)
         ]
@@ -257,9 +257,11 @@ class Simulator:
         req.t_mark = now
         if decision.placement == COLOCATED:
             req.local = True
-            req.prefill_ms = self.truth.prefill_ms(req.tokens)
+            own = cfg.service.decode_request_ms  # the worker's own work for it (embedding fetch, stream), first
+            req.prefill_ms = self.truth.prefill_ms(req.tokens) + own
             if self._local_chunks is not None and req.tokens > self._local_chunks:
                 req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
+                req.local_chunks[0] += own
                 req.prefill_ms = sum(req.local_chunks)
             worker.submit_local(req, now)
         else:

@@ -512,3 +512,21 @@ def test_profile_overhead_is_cpu_beyond_the_timed_work_less_the_idle_rate() -> N
     assert overhead_ms([1.0, 1.01, 2.0, 2.12], (0.0, 1.0, 5.0, 7.0), 10, 40.0) == pytest.approx(6.0)  # a later phase
     assert overhead_ms([1.0, None, 1.01, 1.13], (0.0, 1.0, 1.0, 3.0), 10, 40.0) is None
     assert overhead_ms([1.0, 1.01, 1.01, 1.02], (0.0, 1.0, 1.0, 3.0), 10, 40.0) == 0.0  # never below 0
+
+
+def test_decode_workers_own_work_per_request_stalls_the_first_step_it_is_in() -> None:
+    # a 3-token remote answer on an idle worker: first token at landing, then its own 4 ms of
+    # work before the first step, then two 45 ms steps
+    plain = run("disaggregated", [(0.0, 100, 3, 0, 0)])
+    own = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
+    assert own.metrics.ttft_ms == pytest.approx(plain.metrics.ttft_ms)
+    assert gaps(own) == {49.0: 1, 45.0: 1}
+    assert own.horizon_ms == pytest.approx(plain.horizon_ms + 4.0)
+    # a resident's gap grows by the joiner's work; colocated: before the local prefill
+    two = run("disaggregated", [(0.0, 100, 40, 0, 0), (100.0, 100, 40, 0, 0)], prefill_workers=2,
+              service=ServiceTimes(decode_request_ms=4.0))
+    assert gaps(two)[49.0] == 2  # the first one's first step, and its step stalled by the second's work
+    local = run("colocated", [(0.0, 100, 1, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
+    assert local.metrics.ttft_ms == [pytest.approx(4.0 + 20 + 3.5)]
+    shared = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_request_ms=4.0, host_cores=1))
+    assert gaps(shared) == {49.0: 1, 45.0: 1}  # alone on the host: no stretch
