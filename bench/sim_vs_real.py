@@ -30,8 +30,8 @@ Mapping of the real run onto the simulator's request shape, stated once:
 - cache hits: per request, ``images_cache_hit`` of epd's TTFT breakdown;
 - the host: ``epd profile`` records this machine's core count (``host_cores``), the gateway's
   CPU per request (``gateway_request_ms`` before the pipeline, ``gateway_finish_ms`` after it)
-  and what the encoder and prefill worker spend per request beyond their timed compute
-  (``encode_request_ms``, ``prefill_request_ms``), so the simulator runs the gateway as a
+  and what each worker spends per request beyond its timed compute (``encode_request_ms``,
+  ``prefill_request_ms``, ``decode_request_ms``), so the simulator runs the gateway as a
   stage and every stage's work shares the host's cores, as here (``sim/host_cpu.py``). The
   other work on the host during each load (its busy cores from ``/proc/stat`` less the
   stack's CPU; the load generator is part of it) is that load's ``host_background_cores``.
@@ -369,8 +369,9 @@ def table(result: dict[str, Any]) -> str:
         f"[{result['placement']}] prompt {result['prompt_tokens']} tokens; closed-loop capacity "
         f"{result['capacity_req_per_s']:.1f} req/s; host cores {result['service_times']['host_cores']}, gateway "
         f"{result['service_times']['gateway_request_ms']:.1f} + {result['service_times']['gateway_finish_ms']:.1f} ms/request, "
-        f"encoder {result['service_times']['encode_request_ms']:.1f} and prefill "
-        f"{result['service_times']['prefill_request_ms']:.1f} ms/request beyond their timed work",
+        f"encoder {result['service_times']['encode_request_ms']:.1f}, prefill "
+        f"{result['service_times']['prefill_request_ms']:.1f} and decode {result['service_times']['decode_request_ms']:.1f} "
+        f"ms/request beyond their timed work",
         f"  terms: miss {result['miss_term_ms']:.1f} ms = idle encode p50 (breakdown) - simulated encode of a miss; fixed "
         f"{result['fixed_term_ms']:.1f} ms = idle TTFT p50 {idle['measured']['ttft_ms_p50']:.1f} - simulated idle TTFT p50 "
         f"{idle['sim']['ttft_ms_p50']:.1f} - miss term (idle breakdown: client TTFT - encode - pipeline = "

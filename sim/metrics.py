@@ -13,7 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 STAGES = ("encoder", "prefill", "kv_reservation", "link", "decode_join", "local_prefill", "decode_running")
-WAITS = (*STAGES, "link_queue", "gateway", "host_core")  # keys of Metrics.wait_sum_ms / wait_n (a stage without waits keeps n = 0)
+# keys of Metrics.wait_sum_ms / wait_n (a stage without waits keeps n = 0); "host_core" is, per piece
+# of work on a shared host, the time it took beyond its idle service time (its wait for the CPU)
+WAITS = (*STAGES, "link_queue", "gateway", "host_core")
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
