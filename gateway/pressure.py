@@ -12,11 +12,10 @@ TTFT the request really had (from admission) minus what the model predicted for
 it (stage estimate + backlog, without the overrun term itself, so the target
 does not chase its own correction). ``overrun_ms`` is a high quantile of the
 recent overruns (0 when they are negative or too few; the quantile is about the
-share of admitted requests meant to make their deadline), and admission adds
-it too: when the
-pipeline has been slower than the cost model says (stages that share cores, a
-busy host), new requests are judged by how slow it really was, so the ones
-admitted still meet their deadline. It fades out with the window.
+share of admitted requests meant to make their deadline), and admission adds it
+too: when the pipeline has been slower than the cost model says (stages that
+share cores, a busy host), new requests are judged by how slow it really was,
+so the ones admitted still meet their deadline. It fades out with the window.
 
 Before a request's body is read, the gateway can refuse it cheaply; the
 estimate for that check (``shed_estimate_ms``) adds the recent median *intake*
@@ -24,10 +23,13 @@ estimate for that check (``shed_estimate_ms``) adds the recent median *intake*
 the part of TTFT a request spends before admission sees it. Under overload,
 most refusals then happen there, and the CPU goes to admitted requests.
 
-After a quiet spell (too few first tokens in the window) the rate is not
-trusted, but a burst can arrive all at once: then the highest rate trusted in
-the last ``memory_s`` stands in (what the pipeline was seen to sustain), so the
-burst queues against a real throughput instead of being admitted wholesale.
+The rate a burst is judged by is the larger of the window's rate and the
+highest rate seen in the last ``memory_s`` (checked at every first token). In
+a closed loop limited by decoding, the window's rate is only the arrival rate,
+far below what the pipeline can do when many requests come at once; and after
+a quiet spell the window holds too few first tokens to trust at all. The peak
+is what the pipeline was seen to sustain; if it no longer can (a worker lost),
+the overrun term shows it within a window.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class FirstTokenPressure:
         self.min_samples = min_samples         # below this, no rate is trusted (start-up, after idle)
         self.overrun_quantile = overrun_quantile
         self.memory_s = memory_s
-        self._peak: tuple[float, float] | None = None   # (time, rate): highest trusted rate lately
+        self._peak: tuple[float, float] | None = None   # (time, rate): highest window rate lately
         self.waiting = 0                       # admitted, no first token yet
         self._firsts: deque[tuple[float, float]] = deque()   # (time, overrun ms) of recent first tokens
         self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions
@@ -62,7 +64,11 @@ class FirstTokenPressure:
         admission estimate), or when it ends without one."""
         self.waiting -= 1
         if got_first_token:
-            self._firsts.append((time.monotonic(), overrun_ms))
+            now = time.monotonic()
+            self._firsts.append((now, overrun_ms))
+            rate = self.rate_per_s()
+            if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
+                self._peak = (now, rate)
 
     def _recent(self) -> deque[tuple[float, float]]:
         now = time.monotonic()
@@ -75,13 +81,10 @@ class FirstTokenPressure:
         recent = self._recent()
         if len(recent) < self.min_samples:
             return None
-        now = time.monotonic()
-        rate = len(recent) / max(now - recent[0][0], 1.0)
-        if self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s:
-            self._peak = (now, rate)
-        return rate
+        return len(recent) / max(time.monotonic() - recent[0][0], 1.0)
 
-    def _fallback_rate(self) -> float | None:
+    def peak_rate_per_s(self) -> float | None:
+        """The highest window rate seen in the last ``memory_s``; None when none was."""
         if self._peak is None or time.monotonic() - self._peak[0] > self.memory_s:
             return None
         return self._peak[1]
@@ -112,7 +115,7 @@ class FirstTokenPressure:
         """Expected queueing before a new request's first token; 0 while nothing waits."""
         if self.waiting <= 0:
             return 0.0
-        rate = self.rate_per_s() or self._fallback_rate()
+        rate = max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0) or None
         if rate is None:
             return 0.0  # no throughput seen yet (start-up, long idle): the stage estimates decide
         return 1000.0 * self.waiting / rate

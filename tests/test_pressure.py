@@ -27,18 +27,18 @@ def test_requests_that_end_without_a_token_leave_the_count():
     assert p.waiting == 0 and p.wait_ms() == 0.0
 
 
-def test_after_a_quiet_spell_a_burst_queues_against_the_rate_seen_last():
+def test_a_burst_queues_against_the_highest_rate_seen_lately():
     p = FirstTokenPressure(window_s=5.0, min_samples=4, memory_s=60.0)
     for _ in range(8):
         p.admitted()
         p.left(got_first_token=True)
-    busy_rate = p.rate_per_s()
-    assert busy_rate is not None
-    p.window_s = 0.0                       # quiet: no first token in the window any more
+    peak = p.peak_rate_per_s()
+    assert peak is not None and peak == p.rate_per_s()
+    p.window_s = 0.0                       # a quiet spell: no first token in the window any more
     assert p.rate_per_s() is None
     for _ in range(40):                    # then a burst arrives at once
         p.admitted()
-    assert abs(p.wait_ms() - 1000.0 * 40 / busy_rate) < 1e-6
+    assert abs(p.wait_ms() - 1000.0 * 40 / peak) < 1e-6
     p.memory_s = 0.0                       # long idle: nothing seen recently is trusted
     assert p.wait_ms() == 0.0
 
