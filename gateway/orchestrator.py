@@ -218,19 +218,18 @@ class Orchestrator:
         fp, digest = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest
         keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest) for im in job.images])
         checked = [self.seen_images.seen(k) for k in keys]   # never-seen images: Encode finds out
-        cached = [False] * len(keys)
-        if any(checked):
-            ask = [k for k, c in zip(keys, checked) if c]
+        ask = [k for k, c in zip(keys, checked) if c]
+        found: set[str] = set()
+        if ask:
             try:
-                answer = iter((await encoder.stub.Cached(pb.CachedRequest(cache_keys=ask), timeout=1.0)).cached)
-                cached = [c and bool(next(answer)) for c in checked]
+                answer = (await encoder.stub.Cached(pb.CachedRequest(cache_keys=ask), timeout=1.0)).cached
+                found = {k for k, hit in zip(ask, answer) if hit}
             except grpc.aio.AioRpcError:
                 pass
-            for c, hit in zip(checked, cached):
-                if c:
-                    m.ENCODER_CACHE_CHECKS.labels(str(hit).lower()).inc()
+            for k in ask:
+                m.ENCODER_CACHE_CHECKS.labels(str(k in found).lower()).inc()
         refs = [pb.ImageRef(cache_key=k, data=im.data, encoder_address=encoder.address) for k, im in zip(keys, job.images)]
-        return refs, keys, checked, sum(cached), encoder
+        return refs, keys, checked, sum(k in found for k in keys), encoder
 
     def _left_s(self, job: ChatJob) -> float:
         return max(0.001, job.ttft_deadline_s - time.monotonic())
@@ -307,6 +306,7 @@ class Orchestrator:
                         prefill = min(free_prefill, key=lambda h: h.inflight + h.stats.queue_depth)
                     if action.kind in ("fail", "other_decode"):
                         await self._release(decode, reservation, job, f"transfer failed: {action.kind}")
+                        reservation = None   # released: the finally below must not release it again
                         self._close_stream(failure.stream)
                     if action.kind == "fail":
                         if time.monotonic() >= job.ttft_deadline_s:
@@ -316,7 +316,6 @@ class Orchestrator:
                         decode.inflight -= 1
                         decode = min(others, key=lambda h: h.inflight + h.stats.running_seqs)
                         decode.inflight += 1
-                        reservation = None
                         reservation = await self._reserve(decode, job, digest)
                     else:
                         if action.kind == "reprefill" and free_prefill:

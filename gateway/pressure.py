@@ -54,10 +54,8 @@ class FirstTokenPressure:
 
     def admitted(self, intake_ms: float = 0.0) -> None:
         self.waiting += 1
-        now = time.monotonic()
-        self._intakes.append((now, intake_ms))
-        while self._intakes and self._intakes[0][0] < now - self.window_s:
-            self._intakes.popleft()
+        self._intakes.append((time.monotonic(), intake_ms))
+        self._in_window(self._intakes)
 
     def left(self, got_first_token: bool, overrun_ms: float = 0.0) -> None:
         """Exactly once per admitted request: at its first token (with its TTFT minus the
@@ -70,11 +68,22 @@ class FirstTokenPressure:
             if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
                 self._peak = (now, rate)
 
+    def _in_window(self, samples: deque[tuple[float, float]]) -> deque[tuple[float, float]]:
+        """``samples`` (oldest first) with those older than the window dropped."""
+        since = time.monotonic() - self.window_s
+        while samples and samples[0][0] < since:
+            samples.popleft()
+        return samples
+
+    def _quantile(self, samples: deque[tuple[float, float]], q: float) -> float | None:
+        """The ``q`` quantile of the values in the window; None when fewer than ``min_samples``."""
+        values = sorted(v for _, v in self._in_window(samples))
+        if len(values) < self.min_samples:
+            return None
+        return values[min(len(values) - 1, int(q * len(values)))]
+
     def _recent(self) -> deque[tuple[float, float]]:
-        now = time.monotonic()
-        while self._firsts and self._firsts[0][0] < now - self.window_s:
-            self._firsts.popleft()
-        return self._firsts
+        return self._in_window(self._firsts)
 
     def rate_per_s(self) -> float | None:
         """First tokens per second over the part of the window that had any; None when too few."""
@@ -91,21 +100,11 @@ class FirstTokenPressure:
 
     def overrun_ms(self) -> float:
         """How much later than estimated recent first tokens came (the quantile); >= 0."""
-        recent = self._recent()
-        if len(recent) < self.min_samples:
-            return 0.0
-        overruns = sorted(o for _, o in recent)
-        return max(0.0, overruns[min(len(overruns) - 1, int(self.overrun_quantile * len(overruns)))])
+        return max(0.0, self._quantile(self._firsts, self.overrun_quantile) or 0.0)
 
     def intake_ms(self) -> float:
         """Median time from arrival to admission over the window; 0 when too few."""
-        now = time.monotonic()
-        while self._intakes and self._intakes[0][0] < now - self.window_s:
-            self._intakes.popleft()
-        if len(self._intakes) < self.min_samples:
-            return 0.0
-        intakes = sorted(i for _, i in self._intakes)
-        return intakes[len(intakes) // 2]
+        return self._quantile(self._intakes, 0.5) or 0.0
 
     def shed_estimate_ms(self) -> float:
         """What a request arriving now would wait for its first token, before its own stages."""
