@@ -1,9 +1,9 @@
 """The pipeline's service-time model, calibrated online from measured stage timings.
 
 ``CostModel`` answers "how long will this take" for every stage (prefill, chunked
-prefill, KV size and transfer, decode step, encode) from four linear fits:
+prefill, KV size and transfer, decode step, encode) from four fits (``runtime.fits``):
 
-    prefill_ms(tokens)    = a_p + b_p x tokens
+    prefill_ms(tokens)    = a_p + b_p x tokens + c_p x tokens^2   (c_p: attention; 0 in the chapter)
     decode_step_ms(batch) = a_d + b_d x batch
     transfer_ms(bytes)    = a_t + b_t x bytes        (a_t: link setup, 1 / b_t: bandwidth)
     encode_ms(images)     = a_e + b_e x images_encoded
@@ -11,7 +11,8 @@ prefill, KV size and transfer, decode step, encode) from four linear fits:
 Prefill is defined per request: ``prefill_ms(tokens)`` is one prompt's whole
 prefill on an idle worker, however many passes (chunks) it takes, so ``a_p`` is
 paid once per request and a chunked prefill charges it to the first chunk
-(``chunk_ms``). ``epd profile`` fits exactly this: it sums each profiled request's
+(``chunk_ms``); a chunk's quadratic share is that of its token range, so the chunks of a
+prompt add up to ``prefill_ms`` (plus any per-chunk overhead). ``epd profile`` fits exactly this: it sums each profiled request's
 prefill passes into one (prompt tokens, ms) point. (A worker's per-pass timing
 samples, which the gateway observes online, are the same thing for prompts that
 fit in one chunk.)
@@ -26,112 +27,11 @@ gateway all use this one class. Not thread-safe (the gateway is one asyncio loop
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from pathlib import Path
 
 from runtime import service_times as st
+from runtime.fits import LinearFit, QuadraticFit
 from runtime.service_times import ServiceTimes
-
-
-class LinearFit:
-    """``y = intercept + slope x x`` least-squares over the last ``window`` points.
-
-    Until ``min_points`` observations are held, the prior is returned. With too
-    little spread in x only the intercept is refit (the prior slope is kept); a
-    negative slope (or a non-positive one when ``positive_slope``) also keeps the
-    prior slope; a negative intercept is clamped to 0 and the slope refit through
-    the origin. Each observation costs O(1): the window keeps running sums of
-    shifted values (recomputed exactly every ``window`` observations, so rounding
-    never accumulates).
-    """
-
-    __slots__ = (
-        "prior_intercept", "prior_slope", "intercept", "slope", "min_points", "positive_slope", "rejected",
-        "_points", "_kx", "_ky", "_sx", "_sy", "_sxx", "_sxy", "_since_exact",
-    )
-
-    def __init__(self, intercept: float, slope: float, *, window: int, min_points: int, positive_slope: bool = False) -> None:
-        if window < 1 or min_points < 1 or min_points > window:
-            raise ValueError(f"need 1 <= min_points <= window, got min_points={min_points}, window={window}")
-        self.prior_intercept = self.intercept = float(intercept)
-        self.prior_slope = self.slope = float(slope)
-        self.min_points = min_points
-        self.positive_slope = positive_slope
-        self.rejected = 0
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)
-        self._kx = self._ky = 0.0  # shift: sums are of (x - kx), (y - ky)
-        self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self._since_exact = 0
-
-    @property
-    def points(self) -> int:
-        return len(self._points)
-
-    @property
-    def fitted(self) -> bool:
-        return len(self._points) >= self.min_points
-
-    def observe(self, x: float, y: float) -> bool:
-        """Add one point; False (and counted in ``rejected``) when it is not finite and >= 0."""
-        if not (math.isfinite(x) and math.isfinite(y) and x >= 0 and y >= 0):
-            self.rejected += 1
-            return False
-        x, y = float(x), float(y)
-        points = self._points
-        if len(points) == points.maxlen:
-            self._add(*points[0], sign=-1.0)  # the oldest point leaves the window
-        points.append((x, y))
-        self._since_exact += 1
-        if self._since_exact >= points.maxlen or len(points) == 1:  # type: ignore[operator]
-            self._exact_sums()
-        else:
-            self._add(x, y, sign=1.0)
-        self._refit()
-        return True
-
-    def _add(self, x: float, y: float, sign: float) -> None:
-        dx, dy = x - self._kx, y - self._ky
-        self._sx += sign * dx
-        self._sy += sign * dy
-        self._sxx += sign * dx * dx
-        self._sxy += sign * dx * dy
-
-    def _exact_sums(self) -> None:
-        n = len(self._points)
-        self._kx = sum(p[0] for p in self._points) / n
-        self._ky = sum(p[1] for p in self._points) / n
-        self._sx = self._sy = 0.0
-        self._sxx = sum((p[0] - self._kx) ** 2 for p in self._points)
-        self._sxy = sum((p[0] - self._kx) * (p[1] - self._ky) for p in self._points)
-        self._since_exact = 0
-
-    def _refit(self) -> None:
-        n = len(self._points)
-        if n < self.min_points:
-            self.intercept, self.slope = self.prior_intercept, self.prior_slope
-            return
-        dmx, dmy = self._sx / n, self._sy / n  # means of the shifted values
-        sxx = self._sxx - n * dmx * dmx  # centered sums
-        sxy = self._sxy - n * dmx * dmy
-        mx, my = self._kx + dmx, self._ky + dmy
-        spread_ok = sxx > 1e-12 * n * max(1.0, mx * mx)
-        slope = sxy / sxx if spread_ok else self.prior_slope
-        if slope < 0 or (self.positive_slope and slope <= 0):
-            slope = self.prior_slope
-        intercept = my - slope * mx
-        if intercept < 0:
-            intercept = 0.0
-            sum_xx = sxx + n * mx * mx  # raw sums, for the fit through the origin
-            sum_xy = sxy + n * mx * my
-            if sum_xx > 0:
-                through_origin = sum_xy / sum_xx
-                if through_origin > 0 or (through_origin == 0 and not self.positive_slope):
-                    slope = through_origin
-        self.intercept, self.slope = intercept, slope
-
-    def __call__(self, x: float) -> float:
-        return self.intercept + self.slope * x
 
 
 class CostModel:
@@ -144,8 +44,9 @@ class CostModel:
     def __init__(self, prior: ServiceTimes | None = None, *, window: int = 256, min_points: int = 8) -> None:
         p = prior if prior is not None else ServiceTimes()
         self._prior = p
-        self._chunk_times: dict[tuple[int, int, float, float], tuple[float, ...]] = {}
-        self.prefill = LinearFit(p.prefill_base_ms, p.prefill_ms_per_token, window=window, min_points=min_points)
+        self._chunk_times: dict[tuple[int, int, float, float, float], tuple[float, ...]] = {}
+        self.prefill = QuadraticFit(p.prefill_base_ms, p.prefill_ms_per_token, p.prefill_ms_per_token2,
+                                    window=window, min_points=min_points)
         self.decode_step = LinearFit(p.decode_step_base_ms, p.decode_step_ms_per_seq, window=window, min_points=min_points)
         self.transfer = LinearFit(
             p.link_setup_ms, 1000.0 / p.link_bytes_per_s, window=window, min_points=min_points, positive_slope=True
@@ -203,6 +104,7 @@ class CostModel:
         return self._prior.replace(
             prefill_base_ms=self.prefill.intercept,
             prefill_ms_per_token=self.prefill.slope,
+            prefill_ms_per_token2=self.prefill.curve,
             # a step always takes time: keep base + slope > 0 even for a degenerate fit
             decode_step_base_ms=max(self.decode_step.intercept, 1e-6 if self.decode_step.slope == 0 else 0.0),
             decode_step_ms_per_seq=self.decode_step.slope,
@@ -215,10 +117,12 @@ class CostModel:
     def calibration(self) -> dict[str, dict[str, float | int | bool]]:
         """Per-stage fit state, for metrics and logs."""
         fits = {"prefill": self.prefill, "decode_step": self.decode_step, "transfer": self.transfer, "encode": self.encode}
-        return {
+        out: dict[str, dict[str, float | int | bool]] = {
             name: {"points": f.points, "fitted": f.fitted, "intercept": f.intercept, "slope": f.slope, "rejected": f.rejected}
             for name, f in fits.items()
         }
+        out["prefill"]["curve"] = self.prefill.curve
+        return out
 
     # ---- stage estimates ---------------------------------------------------------
 
@@ -228,7 +132,7 @@ class CostModel:
 
     def prefill_ms(self, tokens: int) -> float:
         """Whole-prompt prefill of ``tokens`` new tokens on an idle worker."""
-        return self.prefill.intercept + self.prefill.slope * tokens
+        return self.prefill(tokens)
 
     @staticmethod
     def chunk_sizes(tokens: int, chunk_tokens: int) -> list[int]:
@@ -238,9 +142,12 @@ class CostModel:
         full, rest = divmod(max(tokens, 0), chunk_tokens)
         return [chunk_tokens] * full + ([rest] if rest else [])
 
-    def chunk_ms(self, chunk: int, first: bool) -> float:
-        """Compute time of one prefill chunk; the fixed prefill cost is paid by the first."""
-        return (self.prefill.intercept if first else 0.0) + self.prefill.slope * chunk + self._prior.prefill_chunk_overhead_ms
+    def chunk_ms(self, start: int, chunk: int) -> float:
+        """Compute time of the prefill chunk of tokens ``[start, start + chunk)``: the fixed prefill
+        cost is paid by the first (``start == 0``), and the quadratic term grows with the context."""
+        fit, end = self.prefill, start + chunk
+        return ((fit.intercept if start == 0 else 0.0) + fit.slope * chunk + fit.curve * (end * end - start * start)
+                + self._prior.prefill_chunk_overhead_ms)
 
     def chunk_times(self, tokens: int, chunk_tokens: int) -> tuple[float, ...]:
         """``chunk_ms`` of each chunk of ``chunk_sizes(tokens, chunk_tokens)``.
@@ -249,13 +156,14 @@ class CostModel:
         never returns stale times (the cache is cleared when it reaches ``_CHUNK_CACHE``).
         """
         fit = self.prefill
-        key = (tokens, chunk_tokens, fit.intercept, fit.slope)
+        key = (tokens, chunk_tokens, fit.intercept, fit.slope, fit.curve)
         times = self._chunk_times.get(key)
         if times is None:
             if len(self._chunk_times) >= self._CHUNK_CACHE:
                 self._chunk_times.clear()
             sizes = self.chunk_sizes(tokens, chunk_tokens)
-            times = self._chunk_times[key] = tuple(self.chunk_ms(c, i == 0) for i, c in enumerate(sizes))
+            starts = [i * chunk_tokens for i in range(len(sizes))]
+            times = self._chunk_times[key] = tuple(self.chunk_ms(s, c) for s, c in zip(starts, sizes))
         return times
 
     def chunk_ready_ms(self, tokens: int, chunk_tokens: int) -> list[float]:

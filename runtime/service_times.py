@@ -48,9 +48,10 @@ class ServiceTimesError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class ServiceTimes:
-    """Linear service-time coefficients; every duration in ms, every size in bytes.
+    """Service-time coefficients (linear, but for prefill's quadratic term); every duration in ms, every size in bytes.
 
     prefill_ms(tokens)     = prefill_base_ms + prefill_ms_per_token x tokens
+                             + prefill_ms_per_token2 x tokens^2 (attention; the chapter: 0)
                              (+ prefill_chunk_overhead_ms per chunk when chunked)
     decode_step_ms(batch)  = decode_step_base_ms + decode_step_ms_per_seq x batch
     kv_bytes(tokens)       = kv_bytes_per_token x tokens
@@ -78,6 +79,7 @@ class ServiceTimes:
 
     prefill_base_ms: float = 20.0
     prefill_ms_per_token: float = 0.035
+    prefill_ms_per_token2: float = 0.0
     prefill_chunk_overhead_ms: float = 0.0
     decode_step_base_ms: float = 45.0
     decode_step_ms_per_seq: float = 0.0

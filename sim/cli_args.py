@@ -13,6 +13,7 @@ from sim.workload import RequestMix
 _SERVICE_FLAGS: dict[str, tuple[str, float, type, str]] = {
     "--prefill-base-ms": ("prefill_base_ms", 1.0, float, "fixed prefill cost (default 20)"),
     "--prefill-ms-per-token": ("prefill_ms_per_token", 1.0, float, "prefill cost per prompt token (default 0.035)"),
+    "--prefill-ms-per-token2": ("prefill_ms_per_token2", 1.0, float, "prefill cost per prompt token squared (default 0)"),
     "--prefill-chunk-overhead-ms": ("prefill_chunk_overhead_ms", 1.0, float, "extra cost per prefill chunk (default 0)"),
     "--decode-step-ms": ("decode_step_base_ms", 1.0, float, "decode step time at batch 0 (default 45)"),
     "--decode-step-ms-per-seq": ("decode_step_ms_per_seq", 1.0, float, "step growth per running sequence (default 0)"),

@@ -290,7 +290,8 @@ def main(argv: list[str]) -> int:
         return 1
     st.save(args.out, content)
     params = content.params
-    print(f"wrote {args.out}: prefill_ms = {params.prefill_base_ms:.2f} + {params.prefill_ms_per_token:.4f} x tokens; "
+    print(f"wrote {args.out}: prefill_ms = {params.prefill_base_ms:.2f} + {params.prefill_ms_per_token:.4f} x tokens + "
+          f"{params.prefill_ms_per_token2:.2e} x tokens^2; "
           f"decode step = {params.decode_step_base_ms:.2f} + {params.decode_step_ms_per_seq:.3f} x batch ms; "
           f"link {params.link_setup_ms:.2f} ms + {params.link_bytes_per_s / 1e9:.2f} GB/s; "
           f"KV {params.kv_bytes_per_token} B/token; gateway {params.gateway_request_ms:.2f} + "

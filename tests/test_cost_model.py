@@ -8,7 +8,8 @@ import math
 import pytest
 
 from runtime import service_times as st
-from runtime.cost_model import CostModel, LinearFit
+from runtime.cost_model import CostModel
+from runtime.fits import LinearFit, QuadraticFit
 from runtime.service_times import GIB, MeasuredTables, ServiceTimes, ServiceTimesError, ServiceTimesFile
 
 
@@ -55,7 +56,7 @@ def test_chunk_helpers(cm: CostModel) -> None:
 def test_chunk_times_are_memoized_but_follow_a_refit() -> None:
     cm = CostModel(window=64, min_points=2)
     first = cm.chunk_times(4500, 2000)
-    assert first == tuple(cm.chunk_ms(c, i == 0) for i, c in enumerate(cm.chunk_sizes(4500, 2000)))
+    assert first == (cm.chunk_ms(0, 2000), cm.chunk_ms(2000, 2000), cm.chunk_ms(4000, 500))
     assert cm.chunk_times(4500, 2000) is first  # served from the memo
     cm.observe_prefill(100, 5.0 + 0.1 * 100)
     cm.observe_prefill(300, 5.0 + 0.1 * 300)  # refit: 5 + 0.1 x tokens
@@ -228,3 +229,66 @@ def test_sliding_window_fit_matches_batch_least_squares() -> None:
     slope, intercept = np.polyfit(xs[-32:], ys[-32:], 1)
     assert fit.slope == pytest.approx(slope, rel=1e-9)
     assert fit.intercept == pytest.approx(intercept, rel=1e-9)
+
+
+# ---- prefill's quadratic term --------------------------------------------------------
+
+
+def test_prefill_fit_finds_the_attention_term() -> None:
+    """A prompt's prefill grows with its square (attention): the fit recovers the curve, so a
+    short prompt is not charged a line through the long ones."""
+    cm = CostModel(window=64, min_points=3)
+    for tokens in (26, 126, 426, 1026, 26, 426):
+        cm.observe_prefill(tokens, 5.0 + 0.02 * tokens + 5e-5 * tokens * tokens)
+    fitted = cm.service_times()
+    assert fitted.prefill_base_ms == pytest.approx(5.0)
+    assert fitted.prefill_ms_per_token == pytest.approx(0.02)
+    assert fitted.prefill_ms_per_token2 == pytest.approx(5e-5)
+    assert cm.prefill_ms(26) == pytest.approx(5.0 + 0.52 + 0.0338)
+
+
+def test_quadratic_chunks_add_up_to_the_whole_prompt() -> None:
+    cm = CostModel(ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.02, prefill_ms_per_token2=5e-5))
+    chunks = cm.chunk_times(1000, 256)
+    assert sum(chunks) == pytest.approx(cm.prefill_ms(1000))
+    assert chunks[2] > chunks[1]  # later full chunks attend to more context
+    assert cm.chunk_ready_ms(1000, 256)[-1] == pytest.approx(cm.prefill_ms(1000))
+
+
+def test_quadratic_fit_never_goes_negative_and_prefers_a_line() -> None:
+    fit = QuadraticFit(20.0, 0.035, window=16, min_points=2)
+    fit.observe(100, 15.0)
+    fit.observe(300, 35.0)  # two sizes: a line, not a guessed curve
+    assert (fit.intercept, fit.slope, fit.curve) == pytest.approx((5.0, 0.1, 0.0))
+    fit = QuadraticFit(20.0, 0.035, window=16, min_points=3)
+    for x in (100, 200, 400, 800):  # concave: the best non-negative fit has no curve
+        fit.observe(x, 10.0 * math.sqrt(x))
+    assert fit.curve == 0.0 and fit.slope > 0 and fit.intercept > 0
+    fit = QuadraticFit(20.0, 0.035, window=16, min_points=3)
+    for x in (1000, 2000, 3000):  # exact line with intercept -10: clamped, the rest refit
+        fit.observe(x, 0.02 * x - 10.0)
+    assert fit.intercept == 0.0 and fit.slope >= 0 and fit.curve >= 0
+    assert fit(2000) == pytest.approx(30.0, rel=0.2)
+
+
+def test_quadratic_window_matches_batch_least_squares() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    fit = QuadraticFit(5.0, 0.1, window=32, min_points=3)
+    xs = rng.uniform(0, 8192, 500)
+    ys = 3.0 + 0.02 * xs + 4e-6 * xs * xs + rng.normal(0, 1.0, 500)
+    for x, y in zip(xs, ys):
+        fit.observe(float(x), float(y))
+    curve, slope, intercept = np.polyfit(xs[-32:], ys[-32:], 2)
+    assert fit.curve == pytest.approx(curve, rel=1e-6)
+    assert fit.slope == pytest.approx(slope, rel=1e-6)
+    assert fit.intercept == pytest.approx(intercept, rel=1e-6)
+
+
+def test_quadratic_fit_keeps_the_prior_shape_when_times_fall() -> None:
+    fit = QuadraticFit(20.0, 0.035, window=16, min_points=2)
+    fit.observe(10, 50.0)
+    fit.observe(60, 45.0)  # the longer prompt was faster: noise
+    assert (fit.slope, fit.curve) == (0.035, 0.0)
+    assert fit(100) > fit(10) > 0
