@@ -73,9 +73,10 @@ def test_serve_answers_image_chat(served):
         assert reply.choices[0].message.content.strip() == answer
         assert reply.choices[0].finish_reason == "stop"
     deadline = time.monotonic() + 10
-    while True:  # the gateway polls worker stats every 0.5 s
+    while True:  # the gateway polls worker stats every 0.5 s: a snapshot may predate the second answer's end
         status = httpx.get(f"{base}/status").json()
-        if status["encoder"][0].get("computes", 0) >= 2 or time.monotonic() > deadline:
+        settled = all(w.get("reservations_active") == 0 and w.get("pending_chunks") == 0 for w in status.get("decode", []))
+        if (status["encoder"][0].get("computes", 0) >= 2 and settled) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert {"encoder", "prefill", "decode"} <= set(status)
