@@ -72,6 +72,9 @@ class ServiceTimes:
     decode_request_ms      = the decode worker's CPU per request beyond its timed steps and
                              passes (reserve, KV receive, its stream; a colocated request's
                              embedding fetch): one process, so it stalls the steps
+    decode_step_extra_ms   = the decode worker's CPU per step beyond the timed forward
+                             (scheduling, sampling, sending the batch's tokens): the simulator
+                             adds it to every step (the cost model's step fit does not hold it)
     host_cores             = N > 0: every stage's work shares N cores (``sim/host_cpu.py``,
                              processor sharing); 0: each worker has its own processor
     host_background_cores  = cores' worth of other work on that host (shares them too)
@@ -95,6 +98,7 @@ class ServiceTimes:
     encode_request_ms: float = 0.0
     prefill_request_ms: float = 0.0
     decode_request_ms: float = 0.0
+    decode_step_extra_ms: float = 0.0
     host_cores: int = 0
     host_background_cores: float = 0.0
 

@@ -13,7 +13,10 @@ stage's service time, so the load is shaped to keep the stages out of each other
    breakdown) and the rest. On a local stack the workers' CPU seconds (their processes,
    found by listening port) give what each spends per request beyond the compute it times
    (RPCs, cache reads and writes, KV sends and receives, token streams):
-   ``encode_request_ms``, ``prefill_request_ms``, ``decode_request_ms``;
+   ``encode_request_ms``, ``prefill_request_ms``, ``decode_request_ms``. The decode worker's
+   part is then split, with the bursts below, into a per-request and a per-step share
+   (``decode_step_extra_ms``: scheduling, sampling and streaming around each timed forward),
+   since a batched step shares that work among its requests;
 2. bursts of concurrent requests sharing one image, already cached: ``encode_cache_hit_ms``,
    what a cache hit costs the encoder (its CPU per request here on a local stack -- the
    cache-check RPC --, else the encode time in their breakdowns), and decode steps at larger batches, kept only from the burst's largest batch on, when every
@@ -128,6 +131,26 @@ def from_peak(batches: list[float]) -> list[int]:
     return list(range(peak, len(batches)))
 
 
+def split_decode_overhead(seq_per_request: float, seq_requests: int, seq_steps: int, burst_per_request: float | None,
+                          burst_requests: int, burst_steps: int) -> tuple[float, float] | None:
+    """The decode worker's untimed CPU as ``r`` per request plus ``s`` per step, from two phases.
+
+    One request at a time, every step is one request's own; in a burst, a step serves the
+    whole batch, so per request the untimed CPU falls. Two phases, two unknowns:
+    ``untimed = r x requests + s x steps``. None (keep the per-request figure) when a phase is
+    missing or the solution is not >= 0 in both.
+    """
+    if burst_per_request is None or not (seq_requests and burst_requests):
+        return None
+    a1, b1, c1 = float(seq_requests), float(seq_steps), seq_per_request * seq_requests
+    a2, b2, c2 = float(burst_requests), float(burst_steps), burst_per_request * burst_requests
+    det = a1 * b2 - a2 * b1
+    if abs(det) <= 1e-9 * max(1.0, abs(a1 * b2)):
+        return None
+    r, s = (c1 * b2 - c2 * b1) / det, (a1 * c2 - a2 * c1) / det
+    return (r, s) if r >= 0 and s >= 0 else None
+
+
 def is_local(base: str) -> bool:
     host = (urlsplit(base).hostname or "").lower()
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -203,7 +226,7 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         await asyncio.sleep(2.0)  # idle CPU rates (health checks, stats polling); other work's share of the host
         cpu1, t1, host1 = await cpu_now(), time.monotonic(), host_busy()
         await samples.read()
-        sequential = 0
+        sequential = sequential_steps = 0
         timed = {"encoder": 0.0, "prefill": 0.0, "decode": 0.0}
         for words in prompt_words:
             for _ in range(repeats):
@@ -220,6 +243,7 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
                 passes = sum(ms for _, ms in got["prefill"])
                 timed["prefill"] += passes + sum(ms for _, ms in got["transfer"])
                 timed["decode"] += sum(ms for _, ms in got["decode_step"]) + (0.0 if remote_prefill else passes)
+                sequential_steps += len(got["decode_step"])
                 if got["prefill"]:  # this request's passes, summed: one per-request point
                     tables["prefill"].append((sum(x for x, _ in got["prefill"]), sum(ms for _, ms in got["prefill"])))
                 for kind in ("decode_step", "transfer", "encode"):
@@ -231,13 +255,17 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         await samples.read()
         hit_ms: list[float] = []
         cpu3, t3, bursts = await cpu_now(), time.monotonic(), 0
+        burst_decode_timed, burst_steps = 0.0, 0
         for batch in batches:
             for _ in range(repeats):
                 outs = await asyncio.gather(*(_chat(client, base, model, 8, seed, 16) for _ in range(batch)))
                 bursts += batch
                 hit_ms += [o["breakdown"]["encode_ms"] for o in outs if "encode_ms" in o["breakdown"]]
-                steps = (await samples.read())["decode_step"]
+                got = await samples.read()
+                steps = got["decode_step"]
                 tables["decode_step"] += [steps[i] for i in from_peak([x for x, _ in steps])]
+                burst_steps += len(steps)
+                burst_decode_timed += sum(ms for _, ms in steps) + (0.0 if remote_prefill else sum(ms for _, ms in got["prefill"]))
         cpu4, t4 = await cpu_now(), time.monotonic()
     measured = st.MeasuredTables(**{k: tuple(v) for k, v in tables.items()})
     prior = st.ServiceTimes()
@@ -259,6 +287,12 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
                              ("decode", "decode_request_ms")):
         if per_request.get(role) is not None:
             changes[field_name] = per_request[role]  # type: ignore[assignment]
+    if per_request.get("decode") is not None and cpu3.get("decode") is not None:
+        burst = overhead_ms([cpu0["decode"], cpu1["decode"], cpu3["decode"], cpu4["decode"]], (t0, t1, t3, t4),
+                            bursts, burst_decode_timed)
+        split = split_decode_overhead(per_request["decode"], sequential, sequential_steps, burst, bursts, burst_steps)
+        if split is not None:
+            changes["decode_request_ms"], changes["decode_step_extra_ms"] = split
     if host_cores is None:
         host_cores = (os.cpu_count() or 1) if local else 0
     changes["host_cores"] = host_cores

@@ -85,7 +85,8 @@ class Simulator:
         shared = {} if cpu is None else {"cpu": cpu}
         self.decode = [
             (DecodeWorker if cpu is None else SharedDecodeWorker)(
-                i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens, step_base_ms=p.decode_step_base_ms,
+                i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens,
+                step_base_ms=p.decode_step_base_ms + p.decode_step_extra_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
                 accepts_local=cfg.placement != "disaggregated", request_ms=p.decode_request_ms, **shared,
             )

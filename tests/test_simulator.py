@@ -530,3 +530,23 @@ def test_decode_workers_own_work_per_request_stalls_the_first_step_it_is_in() ->
     assert local.metrics.ttft_ms == [pytest.approx(4.0 + 20 + 3.5)]
     shared = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_request_ms=4.0, host_cores=1))
     assert gaps(shared) == {49.0: 1, 45.0: 1}  # alone on the host: no stretch
+
+
+def test_profile_splits_the_decode_workers_untimed_cpu_into_request_and_step_shares():
+    from sim.profile_cli import split_decode_overhead
+
+    # 2 ms per request + 1 ms per step: one at a time, 4 steps each (6 ms per request);
+    # in bursts a step serves several requests: 26 requests, 24 steps (2 + 24/26 ms per request)
+    r, s = split_decode_overhead(6.0, 8, 32, 2.0 + 24 / 26, 26, 24)
+    assert (r, s) == (pytest.approx(2.0), pytest.approx(1.0))
+    assert split_decode_overhead(6.0, 8, 32, None, 26, 24) is None  # no burst phase: keep the per-request figure
+    assert split_decode_overhead(6.0, 8, 32, 6.0, 16, 64) is None  # the same step share in both: not identifiable
+    assert split_decode_overhead(1.0, 8, 32, 5.0, 26, 24) is None  # a negative share: noise, keep the figure
+
+
+def test_the_simulator_charges_the_decode_steps_untimed_work():
+    # a 3-token remote answer: the prefill's token, then two 45 ms steps, each 5 ms longer
+    plain = run("disaggregated", [(0.0, 100, 3, 0, 0)])
+    extra = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_step_extra_ms=5.0))
+    assert extra.metrics.ttft_ms == plain.metrics.ttft_ms
+    assert extra.horizon_ms == pytest.approx(plain.horizon_ms + 2 * 5.0)
