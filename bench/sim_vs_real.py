@@ -21,6 +21,11 @@ For each placement:
 6. print predicted vs measured (TTFT p50/p90, ITL p50, E2E p50) and write
    ``bench/results/sim_vs_real.json``.
 
+Each placement's measured run (its service-time file, every request's record, the host's load)
+is saved as ``run-PLACEMENT.json`` in the printed logs folder; ``--replay LOGDIR`` runs step 5
+and 6 again on those runs, without a stack, so a change to the simulator is judged on the same
+measurements (on this shared box two runs of one load differ by more than the target).
+
 Mapping of the real run onto the simulator's request shape, stated once:
 
 - prompt tokens: ``usage.prompt_tokens`` (image tokens included, so ``image_tokens=0``);
@@ -264,7 +269,8 @@ async def bench(base: str, **config: Any) -> tuple[dict[str, Any], list[RequestR
 
 
 def measure(placement: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    """Steps 1-5 for one placement; the stack is stopped before this returns."""
+    """Steps 1-4 for one placement: the run, as ``predict`` reads it (also saved under ``logs``
+    for ``--replay``); the stack is stopped before this returns."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     prefills = 0 if placement == "colocated" else 1
@@ -272,9 +278,11 @@ def measure(placement: str, args: argparse.Namespace, logs: Path) -> dict[str, A
     server.start()
     try:
         wait_http(f"{base}/health", [server])
-        return asyncio.run(_measure_async(placement, args, base, server, logs / f"service-times-{placement}.json"))
+        run = asyncio.run(_measure_async(placement, args, base, server, logs / f"service-times-{placement}.json"))
     finally:
         server.stop()
+    (logs / f"run-{placement}.json").write_text(json.dumps(run) + "\n")
+    return run
 
 
 async def _measure_async(placement: str, args: argparse.Namespace, base: str, server: Proc,
@@ -282,11 +290,55 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     mt = args.max_tokens
     await bench(base, requests=16, concurrency=4, image_pool=16, max_tokens=mt, seed=args.seed + 100)  # warm-up
     st.save(out_file, await profile(base, [0, 100, 400, 1000], [1, 4, 8], 2))
-    service = CostModel.from_file(out_file).service_times()  # as ``epd simulate --service-times`` reads it
-    config = sim_config(placement, service)
     prompt = await prompt_token_count(base, args.seed + 200)
     _, idle = await bench(base, requests=args.idle_requests, concurrency=1, image_pool=args.idle_requests,
                           max_tokens=mt, seed=args.seed + 300)
+    cap, _ = await bench(base, requests=160, concurrency=CAPACITY_CONCURRENCY, image_pool=160, max_tokens=mt,
+                         seed=args.seed + 400)
+    loads = {}
+    for i, load in enumerate(args.load_list):  # a seed per load: its own images, none cached before
+        loads[str(load)] = await _load_point(args, base, server, load * cap["req_per_s"], args.seed + i)
+    return {
+        "placement": placement, "max_tokens": mt, "image_pool": args.image_pool,
+        "service_times_file": str(out_file), "service_times_content": st.load(out_file).to_dict(),
+        "prompt_tokens": prompt, "capacity_req_per_s": cap["req_per_s"],
+        "idle_records": [r.to_json() for r in idle], "loads": loads,
+    }
+
+
+async def _load_point(args: argparse.Namespace, base: str, server: Proc, rate: float, seed: int) -> dict[str, Any]:
+    """One Poisson load on the stack: its records and what the host did meanwhile."""
+    n = args.requests
+    load_before, cpu_before, client_before = os.getloadavg()[0], server.cpu_seconds(), time.process_time()
+    host_before, wall = host_busy(), time.monotonic()
+    report, records = await bench(base, requests=n, rate=rate, image_pool=args.image_pool, max_tokens=args.max_tokens,
+                                  seed=seed)
+    wall, host_after = time.monotonic() - wall, host_busy()
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in server.cpu_seconds().items()}
+    stack_cores = sum(cpu.values()) / wall
+    cpu["load_generator"] = time.process_time() - client_before
+    # the host's other work during this load (the load generator included): its busy cores less the stack's
+    background = max(0.0, busy_cores(os.cpu_count() or 1, host_before, host_after) - stack_cores)
+    return {
+        "rate_req_per_s": rate, "seed": seed, "records": [r.to_json() for r in records],
+        "report": {k: report[k] for k in ("ok", "duration_s", "failed_by_status", "answers_correct")},
+        "cpu_cores_used": {k: round(v / report["duration_s"], 3) for k, v in sorted(cpu.items())},
+        "host_background_cores": round(background, 3),
+        "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+    }
+
+
+def records_from(rows: list[dict[str, Any]]) -> list[RequestRecord]:
+    return [RequestRecord(**row) for row in rows]
+
+
+def predict(run: dict[str, Any]) -> dict[str, Any]:
+    """Step 5 for one measured run: the simulator's prediction of each load, next to the measurement."""
+    placement, mt, prompt = run["placement"], run["max_tokens"], run["prompt_tokens"]
+    content = st.parse(run["service_times_content"])
+    service = CostModel.from_tables(content.params, content.tables).service_times()  # as ``epd simulate`` reads it
+    config = sim_config(placement, service)
+    idle = records_from(run["idle_records"])
     idle_measured = measured_metrics(idle)
     idle_trace = Workload(trace=trace_from_records(idle, prompt, mt))  # fresh images: every request a miss
     idle_sim = simulate_run(config, idle_trace)
@@ -294,50 +346,38 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     # what a miss costs the real request beyond the simulated encode (batching window, RPC, cache write)
     miss_ms = max(0.0, idle_stages.get("encode_ms", 0.0) - CostModel(service).encode_ms(1) - service.encode_request_ms)
     fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"] - miss_ms
-    cap, _ = await bench(base, requests=160, concurrency=CAPACITY_CONCURRENCY, image_pool=160, max_tokens=mt,
-                         seed=args.seed + 400)
     idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": idle_stages}
-    points = [await _load_point(args, base, server, config, prompt, idle_doc, fixed_ms, miss_ms, load * cap["req_per_s"],
-                                args.seed + i)
-              for i, load in enumerate(args.load_list)]  # a seed per load: its own images, none cached before
+    points = {load: _predict_load(point, run, config, idle_doc, fixed_ms, miss_ms) for load, point in run["loads"].items()}
     return {
-        "placement": placement, "service_times_file": str(out_file), "service_times": service.to_dict(),
-        "profile_tables": st.load(out_file).tables.to_dict(),
-        "prompt_tokens": prompt, "capacity_req_per_s": cap["req_per_s"],
-        "idle": idle_doc, "fixed_term_ms": fixed_ms, "miss_term_ms": miss_ms, "loads": {str(load): point for load, point in zip(args.load_list, points)},
+        "placement": placement, "service_times_file": run["service_times_file"], "service_times": service.to_dict(),
+        "profile_tables": content.tables.to_dict(),
+        "prompt_tokens": prompt, "capacity_req_per_s": run["capacity_req_per_s"],
+        "idle": idle_doc, "fixed_term_ms": fixed_ms, "miss_term_ms": miss_ms, "loads": points,
     }
 
 
-async def _load_point(args: argparse.Namespace, base: str, server: Proc, config: SimConfig, prompt: int,
-                      idle: dict[str, Any], fixed_ms: float, miss_ms: float, rate: float, seed: int) -> dict[str, Any]:
-    """One Poisson load on the stack, and the simulator's prediction of it."""
-    mt, n = args.max_tokens, args.requests
-    load_before, cpu_before, client_before = os.getloadavg()[0], server.cpu_seconds(), time.process_time()
-    host_before, wall = host_busy(), time.monotonic()
-    report, records = await bench(base, requests=n, rate=rate, image_pool=args.image_pool, max_tokens=mt, seed=seed)
-    wall, host_after = time.monotonic() - wall, host_busy()
-    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in server.cpu_seconds().items()}
-    stack_cores = sum(cpu.values()) / wall
-    cpu["load_generator"] = time.process_time() - client_before
-    # the host's other work during this load (the load generator included): its busy cores less the stack's
-    background = max(0.0, busy_cores(os.cpu_count() or 1, host_before, host_after) - stack_cores)
+def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig, idle: dict[str, Any],
+                  fixed_ms: float, miss_ms: float) -> dict[str, Any]:
+    mt, prompt, pool = run["max_tokens"], run["prompt_tokens"], run["image_pool"]
+    records = records_from(point["records"])
+    n, rate = len(records), point["rate_req_per_s"]
     if config.service.host_cores:
-        config = config.with_(service=config.service.replace(host_background_cores=round(background, 3)))
+        config = config.with_(service=config.service.replace(host_background_cores=point["host_background_cores"]))
     measured = measured_metrics(records)
     trace = Workload(trace=trace_from_records(records, prompt, mt))
     raw = simulate_run(config, trace)
     predicted = simulate_run(config, trace, fixed_ms, miss_ms)
     own_cores = simulate_run(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms, miss_ms)
     outputs = [sampled_tokens(r.output_tokens, mt) for r in records if r.ok]
-    pool_hit_ratio = 1.0 - min(args.image_pool, n) / n
-    poisson = simulate_run(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, seed), fixed_ms, miss_ms)
+    pool_hit_ratio = 1.0 - min(pool, n) / n
+    poisson = simulate_run(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]),
+                           fixed_ms, miss_ms)
     hits = [cache_hits(r, False) for r in records if r.ok and r.ttft_breakdown]
     stages = breakdown_p50(records)
     ratio = ratios(predicted, measured)
     return {
-        "rate_req_per_s": rate, "requests": n, "ok": report["ok"], "duration_s": report["duration_s"],
-        "failed_by_status": report["failed_by_status"], "answers_correct": report["answers_correct"],
-        "sampled_tokens_mix": dict(Counter(outputs)), "image_pool": args.image_pool,
+        "rate_req_per_s": rate, "requests": n, **point["report"],
+        "sampled_tokens_mix": dict(Counter(outputs)), "image_pool": pool,
         "cache_hit_ratio_pool": pool_hit_ratio, "cache_hit_ratio_measured": sum(hits) / len(hits) if hits else None,
         "measured": measured, "measured_ttft_ms_p50_by_cache": ttft_p50_by_cache(records),
         "measured_breakdown_p50": stages, "ttft_p50_last_over_first_third": drift(records),
@@ -346,9 +386,8 @@ async def _load_point(args: argparse.Namespace, base: str, server: Proc, config:
         "within_target": {k: within(v) for k, v in ratio.items()}, "ratio_raw": ratios(raw, measured),
         "sim_poisson": poisson, "ratio_poisson": ratios(poisson, measured),
         "sim_own_cores": own_cores, "ratio_own_cores": ratios(own_cores, measured),
-        "cpu_cores_used": {k: round(v / report["duration_s"], 3) for k, v in sorted(cpu.items())},
-        "host_background_cores": round(background, 3),
-        "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+        "cpu_cores_used": point["cpu_cores_used"], "host_background_cores": point["host_background_cores"],
+        "loadavg_1m_before_after": point["loadavg_1m_before_after"],
     }
 
 
@@ -420,6 +459,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "demo-vlm")
     p.add_argument("--out", type=Path, default=RESULTS / "sim_vs_real.json")
+    p.add_argument("--replay", type=Path, metavar="LOGDIR",
+                   help="simulate again the runs an earlier invocation saved in LOGDIR (its printed logs folder)")
     args = p.parse_args(argv)
     args.placement_list = [s.strip() for s in args.placements.split(",") if s.strip()]
     bad = [s for s in args.placement_list if s not in ("disaggregated", "colocated", "conditional")]
@@ -436,15 +477,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs = Path(tempfile.mkdtemp(prefix="epd-sim-vs-real-"))
+    logs = args.replay or Path(tempfile.mkdtemp(prefix="epd-sim-vs-real-"))
     started, t0, load_start = time.strftime("%Y-%m-%dT%H:%M:%S"), time.monotonic(), os.getloadavg()
     results = []
-    for placement in args.placement_list:
-        try:
-            result = measure(placement, args, logs)
-        except StartError as exc:
-            print(f"sim_vs_real: {placement}: {exc}", file=sys.stderr)
+    if args.replay:  # the saved runs of an earlier invocation, simulated again (no stack started)
+        logs = args.replay
+        runs = [json.loads(path.read_text()) for path in sorted(logs.glob("run-*.json"))]
+        if not runs:
+            print(f"sim_vs_real: no run-*.json in {logs}", file=sys.stderr)
             return 1
+    else:
+        runs = []
+        for placement in args.placement_list:
+            try:
+                runs.append(measure(placement, args, logs))
+            except StartError as exc:
+                print(f"sim_vs_real: {placement}: {exc}", file=sys.stderr)
+                return 1
+    for run in runs:
+        result = predict(run)
         print(table(result) + "\n", flush=True)
         results.append(result)
     met = all(within(point["ratio"][k]) for res in results for point in res["loads"].values() for k in METRICS)
