@@ -42,10 +42,12 @@ Mapping of the real run onto the simulator's request shape, stated once:
   stack's CPU; the load generator is part of it) is that load's ``host_background_cores``.
   ``sim_own_cores`` is the same run with a processor per worker (``host_cores = 0``), to show
   what sharing adds;
-- fixed per-request term: what the simulator still leaves out (HTTP and SSE, the orchestrator's
-  cache-check and reserve RPCs). It is measured on the idle stack in the same run: idle
-  client TTFT p50 minus the simulated TTFT p50 of those same idle requests. It is added to the
-  predicted TTFT and E2E, and printed; the raw prediction is printed next to it. ITL gets no term.
+- fixed per-request term: the latency that is no stage's work (HTTP and SSE, the RPC and
+  thread hand-offs between the processes). It is measured on the idle stack in the same run:
+  idle client TTFT p50 minus the simulated TTFT p50 of those same idle requests. The prediction
+  runs it as the simulator's ``hop_ms``: a wait as each request arrives that, on the shared
+  host, stretches as the cores fill (each hand-off needs a core) but adds no work. The raw
+  prediction (stages only, no term) is printed next to it. ITL gets no term.
 
 The CPU each role used during a load, the load average and the TTFT growth from idle (split
 into the modelled stages and the gateway/HTTP rest) are recorded to tell the parts apart.
@@ -348,12 +350,20 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"] - miss_ms
     idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": idle_stages}
     points = {load: _predict_load(point, run, config, idle_doc, fixed_ms, miss_ms) for load, point in run["loads"].items()}
+    idle_doc["predicted"] = simulate_run(*_with_hops(config, idle_trace, fixed_ms), miss_ms)
     return {
         "placement": placement, "service_times_file": run["service_times_file"], "service_times": service.to_dict(),
         "profile_tables": content.tables.to_dict(),
         "prompt_tokens": prompt, "capacity_req_per_s": run["capacity_req_per_s"],
         "idle": idle_doc, "fixed_term_ms": fixed_ms, "miss_term_ms": miss_ms, "loads": points,
     }
+
+
+def _with_hops(config: SimConfig, workload: Workload, fixed_ms: float) -> tuple[SimConfig, Workload, float]:
+    """The fixed term as the simulator's ``hop_ms`` (hand-offs that wait for the host's cores);
+    a negative one (the stages alone already over-predict the idle run) stays a constant term."""
+    hops = max(0.0, fixed_ms)
+    return config.with_(service=config.service.replace(hop_ms=hops)), workload, fixed_ms - hops
 
 
 def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig, idle: dict[str, Any],
@@ -366,12 +376,13 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
     measured = measured_metrics(records)
     trace = Workload(trace=trace_from_records(records, prompt, mt))
     raw = simulate_run(config, trace)
-    predicted = simulate_run(config, trace, fixed_ms, miss_ms)
-    own_cores = simulate_run(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms, miss_ms)
+    predicted = simulate_run(*_with_hops(config, trace, fixed_ms), miss_ms)
+    own_cores = simulate_run(*_with_hops(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms),
+                             miss_ms)
     outputs = [sampled_tokens(r.output_tokens, mt) for r in records if r.ok]
     pool_hit_ratio = 1.0 - min(pool, n) / n
-    poisson = simulate_run(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]),
-                           fixed_ms, miss_ms)
+    poisson = simulate_run(*_with_hops(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]),
+                                       fixed_ms), miss_ms)
     hits = [cache_hits(r, False) for r in records if r.ok and r.ttft_breakdown]
     stages = breakdown_p50(records)
     ratio = ratios(predicted, measured)

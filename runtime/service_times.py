@@ -75,6 +75,10 @@ class ServiceTimes:
     decode_step_extra_ms   = the decode worker's CPU per step beyond the timed forward
                              (scheduling, sampling, sending the batch's tokens): the simulator
                              adds it to every step (the cost model's step fit does not hold it)
+    hop_ms                 = a request's latency that is no stage's work: HTTP, RPC and thread
+                             hand-offs between the processes (``epd profile``: idle TTFT less the
+                             simulated idle TTFT). Taken as the request arrives; on a shared
+                             host it waits for the cores like work but adds none
     host_cores             = N > 0: every stage's work shares N cores (``sim/host_cpu.py``,
                              processor sharing); 0: each worker has its own processor
     host_background_cores  = cores' worth of other work on that host (shares them too)
@@ -99,6 +103,7 @@ class ServiceTimes:
     prefill_request_ms: float = 0.0
     decode_request_ms: float = 0.0
     decode_step_extra_ms: float = 0.0
+    hop_ms: float = 0.0
     host_cores: int = 0
     host_background_cores: float = 0.0
 

@@ -30,6 +30,7 @@ _SERVICE_FLAGS: dict[str, tuple[str, float, type, str]] = {
     "--prefill-request-ms": ("prefill_request_ms", 1.0, float, "prefill worker CPU per request, beyond its passes (default 0)"),
     "--decode-request-ms": ("decode_request_ms", 1.0, float, "decode worker CPU per request, beyond its steps (default 0)"),
     "--decode-step-extra-ms": ("decode_step_extra_ms", 1.0, float, "decode worker CPU per step, beyond the step (default 0)"),
+    "--hop-ms": ("hop_ms", 1.0, float, "per-request hand-off latency that is no stage's work (default 0)"),
     "--host-cores": ("host_cores", 1, int, "all stages share N cores (default 0: a processor per worker)"),
     "--host-background-cores": ("host_background_cores", 1.0, float, "other work on those cores, in cores (default 0)"),
 }

@@ -16,8 +16,6 @@ Invariants:
 - ``claimed == running + reserved + prefilling + len(prealloc) + len(local_q)``: a
   request claims a slot from ``reserve`` / ``submit_local`` until it finishes or its
   reservation is released; moving between those queues leaves ``claimed`` unchanged.
-- a remote request's own work on the worker (``request_ms``: KV receive, its stream) runs
-  before the first step it is in, stalling that step for everyone in it (as a chunk does).
 - a whole-prompt local prefill runs between two steps and stalls every running
   sequence: their next gap is ``prefill + step``. After one, at least one decode
   step runs before the next prefill (prefill and decode alternate). A chunked
@@ -54,13 +52,12 @@ class DecodeWorker:
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
         "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
-        "join_wait_ms", "joins", "per_step", "request_ms", "join_work",
+        "join_wait_ms", "joins", "per_step",
     )
 
     def __init__(
         self, index: int, events: EventQueue, host: Any, *, slots: int, kv_tokens: int | None,
         step_base_ms: float, step_ms_per_seq: float, itl_slo_ms: float, hist: dict[int, int], accepts_local: bool,
-        request_ms: float = 0.0,
     ) -> None:
         self.index, self.name = index, f"decode-{index}"
         self._events, self._host = events, host
@@ -86,8 +83,6 @@ class DecodeWorker:
         self.busy_ms, self._busy_since = 0.0, 0.0
         self.join_wait_ms, self.joins = 0.0, 0  # remote requests: landing -> joining the batch
         self.per_step = False  # True: one event per step (a shared host needs a core per step)
-        self.request_ms = request_ms  # the worker's own work per remote request joining (KV receive, stream)
-        self.join_work = 0.0  # request_ms of the requests joined since the last step started
         self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
 
     # ---- capacity ------------------------------------------------------------------
@@ -208,14 +203,8 @@ class DecodeWorker:
             self.mode = STEPPING
             self.d = d = self.base + self.slope * len(self.running)
             steps_to_next = 1 if self.per_step or (queue and self._fits(queue[0])) else self.running[0][0] - self.steps
-            lead = self.join_work
-            if lead:  # the joiners' own work runs before this step: everyone in it waits through it
-                self.join_work = 0.0
-                if not self.stall_n:
-                    self.stall_n = len(self.running) - len(self.fresh)
-                self.stall_extra += lead
-            self.t0 = now + lead
-            self._schedule(now + lead + steps_to_next * d)
+            self.t0 = now
+            self._schedule(now + steps_to_next * d)
         else:
             self.mode = IDLE
             self.version += 1
@@ -229,8 +218,6 @@ class DecodeWorker:
             self.fresh.append(req)
             self.join_wait_ms += now - req.t_first
         self.joins += len(self.pending)
-        if self.request_ms:
-            self.join_work += self.request_ms * len(self.pending)
         self.reserved -= len(self.pending)
         self.pending.clear()
 
@@ -251,8 +238,7 @@ class DecodeWorker:
             self._schedule(now + req.prefill_ms)
 
     def _start_chunk(self, now: float) -> None:
-        chunk_ms = self.local_active.local_chunks[self.local_active.chunk_i] + self.join_work  # joiners' work first
-        self.join_work = 0.0
+        chunk_ms = self.local_active.local_chunks[self.local_active.chunk_i]
         self.mode = CHUNK
         self.stall_extra, self.stall_n = chunk_ms, len(self.running) - len(self.fresh)
         if self.running:
@@ -408,11 +394,7 @@ class SharedDecodeWorker(DecodeWorker):
         taken = now - self._started
         if taken > self._work > 0.0:
             f = taken / self._work
-            if self.mode == STEPPING:  # [started, t0) is the joiners' work, then the step: both stretch
-                lead = self.t0 - self._started
-                if lead > 0.0:
-                    self.stall_extra += lead * (f - 1.0)
-                    self.t0 = self._started + lead * f
+            if self.mode == STEPPING:
                 self.d = now - self.t0
             elif self.mode == CHUNK:  # stall_extra holds the chunk's idle time
                 if self.running:

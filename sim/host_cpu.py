@@ -9,40 +9,64 @@ prefill, one decode step, a local prefill or chunk -- runs on the host:
     run(now, work_ms, done, arg) -> done(t, arg) when the piece's ``work_ms`` is done
 
 The model is processor sharing, the OS scheduler's fair share in the limit:
-- while ``m`` pieces run next to ``background`` cores' worth of other work, each piece
-  advances at speed ``min(1, N / (m + background))`` ms of work per ms; so one piece alone
-  runs at its idle (profiled) time, and with N = 1 and two busy stages each takes twice
-  as long;
+- while ``m`` pieces run, each advances at speed ``min(1, N / m)`` ms of work per ms; so one
+  piece alone runs at its idle (profiled) time, and with N = 1 and two busy stages each takes
+  twice as long;
+- the host's other work (``background`` cores' worth: the load generator, other services)
+  comes as pieces too, at random (Poisson) times, each ``BACKGROUND_PIECE_MS`` long on
+  average (exponential), while ``active()`` says the simulation is live. Spread evenly
+  instead (a fluid share), it would never slow a piece while a core is free; measured on a
+  busy 2-core host, three or more threads were runnable 22% of the time at 1.4 cores of load;
 - ``work_ms`` is the piece's idle service time; the stretch (time taken less work) is the
   only cost of sharing, recorded in ``stretch_ms`` / ``pieces``.
 
-Invariants: every running piece has ``0 < remaining <= work_ms``; the next completion
-event is the only one that counts (older ones carry a stale version); pieces finishing
-at the same time complete together, in start order.
+A wait -- ``wait(now, ms, done, arg)`` -- is latency that is not work: a hand-off between
+processes (a socket wake-up, a thread switch), each of which needs a core for a moment. It
+advances at the speed one more piece would get, ``min(1, N / (m + 1))``, so it
+takes its idle time on a quiet host and stretches as the cores fill; it adds no work and slows
+no piece.
+
+Invariants: every running piece of the stack's has ``0 < remaining <= work_ms`` (other work
+is marked ``work_ms = -1`` and left out of ``stretch_ms`` / ``pieces``); the next completion
+event is the only one that counts (older ones carry a stale version); pieces (and waits)
+finishing at the same time complete together, in start order, pieces first.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
 from typing import Any
 
 from sim.events import EventQueue
 
 Done = Callable[[float, Any], None]
+BACKGROUND_PIECE_MS = 1.0  # mean size of a piece of other work (about a scheduler slice; 1-3 ms predict alike)
+
+
+def _nothing(t: float, arg: Any) -> None:
+    return None
 
 
 class HostCpu:
-    __slots__ = ("cores", "background", "_events", "_running", "_last", "_speed", "_version", "stretch_ms", "pieces")
+    __slots__ = ("cores", "background", "_events", "_running", "_waits", "_last", "_speed", "_wait_speed", "_version",
+                 "stretch_ms", "pieces", "_active", "_rng", "_generating")
 
-    def __init__(self, cores: int, events: EventQueue, background: float = 0.0) -> None:
+    def __init__(self, cores: int, events: EventQueue, background: float = 0.0,
+                 active: Callable[[], bool] = lambda: False, seed: int = 0) -> None:
         if cores < 1:
             raise ValueError(f"a shared host needs >= 1 core, got {cores}")
         if background < 0:
             raise ValueError(f"background cores must be >= 0, got {background}")
         self.cores, self.background, self._events = cores, background, events
+        self._active = active  # while True, the other work keeps coming
+        self._rng = random.Random(f"epd-sim/{seed}/host-background")
+        self._generating = False
         self._running: list[list[Any]] = []  # [remaining work ms, work ms, started, done, arg]
+        self._waits: list[list[Any]] = []  # [remaining ms, done, arg]
         self._last = 0.0
-        self._speed = 1.0
+        self._speed = self._wait_speed = 1.0
         self._version = 0
         self.stretch_ms = 0.0  # summed over finished pieces: time taken less work
         self.pieces = 0
@@ -52,6 +76,29 @@ class HostCpu:
         self._advance(now)
         self._running.append([max(work_ms, 0.0), work_ms, now, done, arg])
         self._reschedule(now)
+        self._start_background(now)
+
+    def _start_background(self, now: float) -> None:
+        if self.background > 0.0 and not self._generating:
+            self._generating = True
+            self._events.at(now + self._rng.expovariate(self.background / BACKGROUND_PIECE_MS), self._other_work)
+
+    def _other_work(self, now: float, _: Any = None) -> None:
+        """One piece of the host's other work arrives; the next is drawn while the simulation is live."""
+        self._advance(now)
+        self._running.append([self._rng.expovariate(1.0 / BACKGROUND_PIECE_MS), -1.0, now, _nothing, None])
+        self._reschedule(now)
+        if self._active():
+            self._events.at(now + self._rng.expovariate(self.background / BACKGROUND_PIECE_MS), self._other_work)
+        else:
+            self._generating = False
+
+    def wait(self, now: float, ms: float, done: Done, arg: Any = None) -> None:
+        """Start a wait of ``ms`` idle-host milliseconds now; ``done(t, arg)`` runs when it is over."""
+        self._advance(now)
+        self._waits.append([max(ms, 0.0), done, arg])
+        self._reschedule(now)
+        self._start_background(now)
 
     def speed(self) -> float:
         """Work ms per ms each running piece gets now."""
@@ -65,21 +112,29 @@ class HostCpu:
 
     def _advance(self, now: float) -> None:
         elapsed = now - self._last
-        if elapsed > 0.0 and self._running:
-            work = elapsed * self._speed
-            for piece in self._running:
-                piece[0] -= work
+        if elapsed > 0.0:
+            if self._running:
+                work = elapsed * self._speed
+                for piece in self._running:
+                    piece[0] -= work
+            if self._waits:
+                progress = elapsed * self._wait_speed
+                for w in self._waits:
+                    w[0] -= progress
         self._last = now
 
     def _reschedule(self, now: float) -> None:
         self._version += 1
         n = len(self._running)
-        if not n:
-            self._speed = 1.0
-            return
-        self._speed = min(1.0, self.cores / (n + self.background))
-        first = min(piece[0] for piece in self._running)
-        self._events.at(now + max(first, 0.0) / self._speed, self._complete, self._version)
+        self._speed = min(1.0, self.cores / n) if n else 1.0
+        self._wait_speed = min(1.0, self.cores / (n + 1))
+        first = math.inf
+        if n:
+            first = min(piece[0] for piece in self._running) / self._speed
+        if self._waits:
+            first = min(first, min(w[0] for w in self._waits) / self._wait_speed)
+        if first < math.inf:
+            self._events.at(now + max(first, 0.0), self._complete, self._version)
 
     def _complete(self, now: float, version: int) -> None:
         if version != self._version:
@@ -87,8 +142,14 @@ class HostCpu:
         self._advance(now)
         finished = [p for p in self._running if p[0] <= 1e-9]
         self._running = [p for p in self._running if p[0] > 1e-9]
+        over = [w for w in self._waits if w[0] <= 1e-9]
+        if over:
+            self._waits = [w for w in self._waits if w[0] > 1e-9]
         self._reschedule(now)
         for _, work_ms, started, done, arg in finished:
-            self.stretch_ms += (now - started) - work_ms
-            self.pieces += 1
+            if work_ms >= 0.0:  # the stack's own (other work is marked -1)
+                self.stretch_ms += (now - started) - work_ms
+                self.pieces += 1
+            done(now, arg)
+        for _, done, arg in over:
             done(now, arg)

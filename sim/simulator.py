@@ -13,7 +13,8 @@ Request lifecycle, as queues (each hop is a state change):
                 retry / other_decode / reprefill / fail; released state is counted
                 in ``cleanups``.
 
-With ``host_cores`` N > 0 in the service times, every stage's work (gateway, encode,
+``hop_ms`` (the hand-offs between processes that are no stage's work) delays each request
+as it arrives. With ``host_cores`` N > 0 in the service times, every stage's work (gateway, encode,
 prefill, decode steps, local prefill) shares N cores (``sim.host_cpu``: processor
 sharing, next to ``host_background_cores`` of other work);
 with 0 (the default) each worker has its own processor and nothing here changes.
@@ -75,7 +76,8 @@ class Simulator:
         self._wait_ms, self._waits = self.m.wait_sum_ms, self.m.wait_n  # per-stage wait sums and counts
         colocated = cfg.placement == COLOCATED
         p = cfg.service
-        self.cpu = cpu = HostCpu(p.host_cores, ev, p.host_background_cores) if p.host_cores else None
+        self.cpu = cpu = HostCpu(p.host_cores, ev, p.host_background_cores, active=lambda: self._more or self._open > 0,
+                                 seed=cfg.seed) if p.host_cores else None
         gateway = p.gateway_request_ms > 0 or p.gateway_finish_ms > 0
         self.gateway = ServerPool("gateway", 1 if gateway else 0, ev, self._gateway_start, self._gateway_done, cpu)
         self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done, cpu)
@@ -88,7 +90,7 @@ class Simulator:
                 i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens,
                 step_base_ms=p.decode_step_base_ms + p.decode_step_extra_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
-                accepts_local=cfg.placement != "disaggregated", request_ms=p.decode_request_ms, **shared,
+                accepts_local=cfg.placement != "disaggregated", **shared,
             )
             for i in range(n_decode)
         ]
@@ -171,6 +173,16 @@ class Simulator:
         self._rid += 1
         self._open += 1
         self.m.arrived += 1
+        hop = self.cfg.service.hop_ms
+        if hop <= 0.0:
+            self._enter(now, req)
+        elif self.cpu is not None:
+            self.cpu.wait(now, hop, self._enter, req)
+        else:
+            self.events.at(now + hop, self._enter, req)
+
+    def _enter(self, now: float, req: SimRequest) -> None:
+        """Past the request's hand-offs (``hop_ms``): to the gateway stage, else the encoder."""
         if self.gateway.servers:
             req.t_mark = now
             self.gateway.servers[0].submit(req, self.cfg.service.gateway_request_ms, now)
@@ -258,13 +270,17 @@ class Simulator:
         req.t_mark = now
         if decision.placement == COLOCATED:
             req.local = True
-            own = cfg.service.decode_request_ms  # the worker's own work for it (embedding fetch, stream), first
-            req.prefill_ms = self.truth.prefill_ms(req.tokens) + own
+            req.prefill_ms = self.truth.prefill_ms(req.tokens)
             if self._local_chunks is not None and req.tokens > self._local_chunks:
                 req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
-                req.local_chunks[0] += own
                 req.prefill_ms = sum(req.local_chunks)
-            worker.submit_local(req, now)
+            own = cfg.service.decode_request_ms  # the worker's own work for it (embedding fetch, its stream), first
+            if own <= 0.0:
+                worker.submit_local(req, now)
+            elif self.cpu is not None:
+                self.cpu.run(now, own, self._fetched, req)
+            else:
+                self.events.at(now + own, self._fetched, req)
         else:
             self._submit_prefill(req, self.prefill_by_name[decision.prefill_worker], now)
 
@@ -352,6 +368,24 @@ class Simulator:
         self._wait_ms["link"] += now - req.t_send
         self._waits["link"] += 1
         req.t_mark = now
+        receive = self.cfg.service.decode_request_ms
+        if receive <= 0.0:
+            req.worker.land(req, now)  # type: ignore[union-attr]
+        elif self.cpu is not None:
+            self.cpu.run(now, receive, self._received, req)
+        else:
+            self.events.at(now + receive, self._received, req)
+
+    def _fetched(self, now: float, req: SimRequest) -> None:
+        """The decode worker's own work for a colocated request (embedding fetch, reserve, its
+        stream) is done: it queues for local prefill. Like ``_received``, that work runs on the
+        worker's RPC threads beside the step loop."""
+        req.worker.submit_local(req, now)  # type: ignore[union-attr]
+
+    def _received(self, now: float, req: SimRequest) -> None:
+        """The decode worker's own work for a remote request (reserve, KV receive and insert, its
+        stream) is done: its first token goes out. That work runs on the worker's RPC threads,
+        beside its step loop: it shares the host's cores, not the batch's steps."""
         req.worker.land(req, now)  # type: ignore[union-attr]
 
     def _transfer_failed(self, req: SimRequest, now: float) -> None:
