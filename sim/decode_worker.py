@@ -19,7 +19,9 @@ Invariants:
 - a whole-prompt local prefill runs between two steps and stalls every running
   sequence: their next gap is ``prefill + step``. After one, at least one decode
   step runs before the next prefill (prefill and decode alternate). A chunked
-  local prefill instead fuses one chunk into each step: gap ``chunk + step``.
+  local prefill instead fuses one chunk into each step: gap ``chunk + step``, less
+  ``fused_saving_ms`` on the first chunk (one packed forward: the prefill's fixed cost,
+  the same forward overhead as the step's, is paid once).
 - a remote request's first token is the prefill's: it is emitted when the KV lands
   (as the real decode worker emits it on insertion), and the batch makes the other
   ``output - 1``; its first gap runs from landing to the end of its first step. A
@@ -52,18 +54,20 @@ class DecodeWorker:
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
         "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
-        "join_wait_ms", "joins", "per_step",
+        "join_wait_ms", "joins", "per_step", "fused_saving_ms",
     )
 
     def __init__(
         self, index: int, events: EventQueue, host: Any, *, slots: int, kv_tokens: int | None,
         step_base_ms: float, step_ms_per_seq: float, itl_slo_ms: float, hist: dict[int, int], accepts_local: bool,
+        fused_saving_ms: float = 0.0,
     ) -> None:
         self.index, self.name = index, f"decode-{index}"
         self._events, self._host = events, host
         self.slots, self.kv_cap, self.kv_used = slots, kv_tokens, 0
         self.base, self.slope, self.slo, self.hist = step_base_ms, step_ms_per_seq, itl_slo_ms, hist
         self.accepts_local = accepts_local
+        self.fused_saving_ms = fused_saving_ms  # a first chunk riding a step does not pay the prefill's fixed cost
         self.mode, self.version, self.next_t = IDLE, 0, math.inf
         self.t0, self.d, self.steps = 0.0, 0.0, 0
         self.running: list[tuple[int, int, Any]] = []  # (finish step, rid, req), sorted: [0] finishes first
@@ -238,7 +242,10 @@ class DecodeWorker:
             self._schedule(now + req.prefill_ms)
 
     def _start_chunk(self, now: float) -> None:
-        chunk_ms = self.local_active.local_chunks[self.local_active.chunk_i]
+        req = self.local_active
+        chunk_ms = req.local_chunks[req.chunk_i]
+        if self.running and req.chunk_i == 0:  # rides a step: one forward, its fixed cost paid once
+            chunk_ms = max(0.0, chunk_ms - self.fused_saving_ms)
         self.mode = CHUNK
         self.stall_extra, self.stall_n = chunk_ms, len(self.running) - len(self.fresh)
         if self.running:
@@ -386,7 +393,7 @@ class SharedDecodeWorker(DecodeWorker):
         self.version += 1
         self.next_t = t  # at idle speed; the host decides the real end
         self._started, self._work = now, t - now
-        self._cpu.run(now, t - now, self._piece_done, self.version)
+        self._cpu.run(now, t - now, self._piece_done, self.version, group=self)
 
     def _piece_done(self, now: float, version: int) -> None:
         if version != self.version:

@@ -12,6 +12,10 @@ The model is processor sharing, the OS scheduler's fair share in the limit:
 - while ``m`` pieces run, each advances at speed ``min(1, N / m)`` ms of work per ms; so one
   piece alone runs at its idle (profiled) time, and with N = 1 and two busy stages each takes
   twice as long;
+- pieces of one process (``group``: a decode worker's steps and the RPC work of its requests)
+  share that process's one interpreter lock: the group counts once among the ``m`` and its
+  ``k`` pieces split its share, ``min(1, N / m) / k`` each. On a small model a step is mostly
+  Python, so the worker's threads take turns, not cores;
 - the host's other work (``background`` cores' worth: the load generator, other services)
   comes as pieces too, at random (Poisson) times, each ``BACKGROUND_PIECE_MS`` long on
   average (exponential), while ``active()`` says the simulation is live. Spread evenly
@@ -50,7 +54,7 @@ def _nothing(t: float, arg: Any) -> None:
 
 
 class HostCpu:
-    __slots__ = ("cores", "background", "_events", "_running", "_waits", "_last", "_speed", "_wait_speed", "_version",
+    __slots__ = ("cores", "background", "_events", "_running", "_waits", "_last", "_wait_speed", "_version",
                  "stretch_ms", "pieces", "_active", "_rng", "_generating")
 
     def __init__(self, cores: int, events: EventQueue, background: float = 0.0,
@@ -63,18 +67,19 @@ class HostCpu:
         self._active = active  # while True, the other work keeps coming
         self._rng = random.Random(f"epd-sim/{seed}/host-background")
         self._generating = False
-        self._running: list[list[Any]] = []  # [remaining work ms, work ms, started, done, arg]
+        self._running: list[list[Any]] = []  # [remaining work ms, work ms, started, done, arg, group, speed]
         self._waits: list[list[Any]] = []  # [remaining ms, done, arg]
         self._last = 0.0
-        self._speed = self._wait_speed = 1.0
+        self._wait_speed = 1.0
         self._version = 0
         self.stretch_ms = 0.0  # summed over finished pieces: time taken less work
         self.pieces = 0
 
-    def run(self, now: float, work_ms: float, done: Done, arg: Any = None) -> None:
-        """Start a piece of ``work_ms`` now; ``done(t, arg)`` runs when it is finished."""
+    def run(self, now: float, work_ms: float, done: Done, arg: Any = None, group: Any = None) -> None:
+        """Start a piece of ``work_ms`` now; ``done(t, arg)`` runs when it is finished. Pieces with
+        the same ``group`` (not None) are one process's: they take turns on one core."""
         self._advance(now)
-        self._running.append([max(work_ms, 0.0), work_ms, now, done, arg])
+        self._running.append([max(work_ms, 0.0), work_ms, now, done, arg, group, 1.0])
         self._reschedule(now)
         self._start_background(now)
 
@@ -86,7 +91,7 @@ class HostCpu:
     def _other_work(self, now: float, _: Any = None) -> None:
         """One piece of the host's other work arrives; the next is drawn while the simulation is live."""
         self._advance(now)
-        self._running.append([self._rng.expovariate(1.0 / BACKGROUND_PIECE_MS), -1.0, now, _nothing, None])
+        self._running.append([self._rng.expovariate(1.0 / BACKGROUND_PIECE_MS), -1.0, now, _nothing, None, None, 1.0])
         self._reschedule(now)
         if self._active():
             self._events.at(now + self._rng.expovariate(self.background / BACKGROUND_PIECE_MS), self._other_work)
@@ -100,10 +105,6 @@ class HostCpu:
         self._reschedule(now)
         self._start_background(now)
 
-    def speed(self) -> float:
-        """Work ms per ms each running piece gets now."""
-        return self._speed
-
     def running(self) -> int:
         return len(self._running)
 
@@ -113,10 +114,8 @@ class HostCpu:
     def _advance(self, now: float) -> None:
         elapsed = now - self._last
         if elapsed > 0.0:
-            if self._running:
-                work = elapsed * self._speed
-                for piece in self._running:
-                    piece[0] -= work
+            for piece in self._running:
+                piece[0] -= elapsed * piece[6]
             if self._waits:
                 progress = elapsed * self._wait_speed
                 for w in self._waits:
@@ -125,12 +124,22 @@ class HostCpu:
 
     def _reschedule(self, now: float) -> None:
         self._version += 1
-        n = len(self._running)
-        self._speed = min(1.0, self.cores / n) if n else 1.0
-        self._wait_speed = min(1.0, self.cores / (n + 1))
+        per_group: dict[Any, int] = {}
+        entities = 0
+        for piece in self._running:
+            group = piece[5]
+            if group is None:
+                entities += 1
+            else:
+                k = per_group.get(group, 0)
+                entities += k == 0
+                per_group[group] = k + 1
+        share = min(1.0, self.cores / entities) if entities else 1.0
+        self._wait_speed = min(1.0, self.cores / (entities + 1))
         first = math.inf
-        if n:
-            first = min(piece[0] for piece in self._running) / self._speed
+        for piece in self._running:
+            piece[6] = speed = share if piece[5] is None else share / per_group[piece[5]]
+            first = min(first, piece[0] / speed)
         if self._waits:
             first = min(first, min(w[0] for w in self._waits) / self._wait_speed)
         if first < math.inf:
@@ -146,7 +155,7 @@ class HostCpu:
         if over:
             self._waits = [w for w in self._waits if w[0] > 1e-9]
         self._reschedule(now)
-        for _, work_ms, started, done, arg in finished:
+        for _, work_ms, started, done, arg, _, _ in finished:
             if work_ms >= 0.0:  # the stack's own (other work is marked -1)
                 self.stretch_ms += (now - started) - work_ms
                 self.pieces += 1

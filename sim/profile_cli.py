@@ -7,7 +7,9 @@ stage's service time, so the load is shaped to keep the stages out of each other
 1. one request at a time, fresh images, prompts of several lengths: encodes, transfers,
    batch-1 decode steps, and one prefill point per request -- the sum of its prefill
    passes at its prompt tokens, the per-request definition ``runtime.cost_model`` uses
-   (the fixed cost once per request however many chunks). The gateway's own CPU seconds
+   (the fixed cost once per request however many chunks). Decode steps are kept from the
+   shortest prompts only: a step over a long context is slower, and the table, like the bursts
+   below, is by batch size at a short context. The gateway's own CPU seconds
    (its ``process_cpu_seconds_total``, less its idle rate) over these requests give its
    cost per request, split into the part before the pipeline (``gateway_ms`` of the TTFT
    breakdown) and the rest. On a local stack the workers' CPU seconds (their processes,
@@ -228,6 +230,7 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
         await samples.read()
         sequential = sequential_steps = 0
         timed = {"encoder": 0.0, "prefill": 0.0, "decode": 0.0}
+        shortest = min(prompt_words)
         for words in prompt_words:
             for _ in range(repeats):
                 seed += 1
@@ -246,8 +249,10 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
                 sequential_steps += len(got["decode_step"])
                 if got["prefill"]:  # this request's passes, summed: one per-request point
                     tables["prefill"].append((sum(x for x, _ in got["prefill"]), sum(ms for _, ms in got["prefill"])))
-                for kind in ("decode_step", "transfer", "encode"):
+                for kind in ("transfer", "encode"):
                     tables[kind] += got[kind]
+                if words == shortest:  # steps at the burst phase's short context (the table has no context term)
+                    tables["decode_step"] += got["decode_step"]
         cpu2, t2 = await cpu_now(), time.monotonic()
         # 2. bursts on one cached image
         seed += 1

@@ -90,7 +90,8 @@ class Simulator:
                 i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens,
                 step_base_ms=p.decode_step_base_ms + p.decode_step_extra_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
-                accepts_local=cfg.placement != "disaggregated", **shared,
+                accepts_local=cfg.placement != "disaggregated", fused_saving_ms=min(p.prefill_base_ms, p.decode_step_base_ms),
+                **shared,
             )
             for i in range(n_decode)
         ]
@@ -271,14 +272,14 @@ class Simulator:
         if decision.placement == COLOCATED:
             req.local = True
             req.prefill_ms = self.truth.prefill_ms(req.tokens)
-            if self._local_chunks is not None and req.tokens > self._local_chunks:
+            if self._local_chunks is not None and req.tokens > 0:  # chunk by chunk, each riding a step
                 req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
                 req.prefill_ms = sum(req.local_chunks)
             own = cfg.service.decode_request_ms  # the worker's own work for it (embedding fetch, its stream), first
             if own <= 0.0:
                 worker.submit_local(req, now)
             elif self.cpu is not None:
-                self.cpu.run(now, own, self._fetched, req)
+                self.cpu.run(now, own, self._fetched, req, group=worker)
             else:
                 self.events.at(now + own, self._fetched, req)
         else:
@@ -372,20 +373,21 @@ class Simulator:
         if receive <= 0.0:
             req.worker.land(req, now)  # type: ignore[union-attr]
         elif self.cpu is not None:
-            self.cpu.run(now, receive, self._received, req)
+            self.cpu.run(now, receive, self._received, req, group=req.worker)
         else:
             self.events.at(now + receive, self._received, req)
 
     def _fetched(self, now: float, req: SimRequest) -> None:
         """The decode worker's own work for a colocated request (embedding fetch, reserve, its
         stream) is done: it queues for local prefill. Like ``_received``, that work runs on the
-        worker's RPC threads beside the step loop."""
+        worker's RPC threads, taking turns with the step loop."""
         req.worker.submit_local(req, now)  # type: ignore[union-attr]
 
     def _received(self, now: float, req: SimRequest) -> None:
         """The decode worker's own work for a remote request (reserve, KV receive and insert, its
         stream) is done: its first token goes out. That work runs on the worker's RPC threads,
-        beside its step loop: it shares the host's cores, not the batch's steps."""
+        beside its step loop, taking turns with it on the one interpreter lock (on a shared host;
+        with a processor per worker it delays only this request)."""
         req.worker.land(req, now)  # type: ignore[union-attr]
 
     def _transfer_failed(self, req: SimRequest, now: float) -> None:
