@@ -69,9 +69,10 @@ def test_poisson_workload_uses_the_measured_mix_and_the_pool_hit_ratio():
 
 def test_measured_metrics_terms_and_ratios():
     records = [record(i, i, i * 0.1, ttft_s=0.01 * (i + 1)) for i in range(5)] + [record(9, 9, 1.0, ok=False)]
-    m = measured_metrics(records)
+    m = measured_metrics(records, max_tokens=8)
     assert m["ttft_ms_p50"] == pytest.approx(30.0)
     assert m["itl_ms_p50"] == pytest.approx(10.0)
+    assert m["tpot_ms_p50"] == pytest.approx(30.0 / 3)  # 3 tokens and the EOS step: 3 gaps over 30 ms
     predicted = {"ttft_ms_p50": 30.0, "ttft_ms_p90": 50.0, "itl_ms_p50": 5.0, "e2e_ms_p50": 60.0}
     assert ratios(predicted, m)["ttft_ms_p50"] == pytest.approx(1.0)
     assert ratios(predicted, m)["itl_ms_p50"] == pytest.approx(0.5)
