@@ -34,6 +34,21 @@ from runtime.fits import LinearFit, QuadraticFit
 from runtime.service_times import ServiceTimes
 
 
+def _medians_by_size(points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """One (x, median ms) point per distinct x, in order of x: a measured table is fitted on
+    its medians, so one step preempted on a shared host (20 ms among 4 ms ones) does not move
+    the line."""
+    by_size: dict[float, list[float]] = {}
+    for x, ms in points:
+        by_size.setdefault(x, []).append(ms)
+    out = []
+    for x in sorted(by_size):
+        values = sorted(by_size[x])
+        n = len(values)
+        out.append((x, (values[(n - 1) // 2] + values[n // 2]) / 2))
+    return out
+
+
 class CostModel:
     """Service-time estimates for every stage, from a prior plus online observations."""
 
@@ -55,7 +70,8 @@ class CostModel:
 
     @classmethod
     def from_file(cls, path: str | Path, *, window: int = 256, min_points: int = 2) -> CostModel:
-        """Load a service-time file; its measured tables (if any) are fitted over its params."""
+        """Load a service-time file; its measured tables (if any) are fitted over its params
+        (each table by the median at each size)."""
         content = st.load(path)
         return cls.from_tables(content.params, content.tables, window=window, min_points=min_points)
 
@@ -71,7 +87,7 @@ class CostModel:
             (model.transfer, tables.transfer),
             (model.encode, tables.encode),
         ):
-            for x, ms in points:
+            for x, ms in _medians_by_size(points):
                 fit.observe(x, ms)
         return model
 
