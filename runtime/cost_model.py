@@ -35,9 +35,9 @@ from runtime.service_times import ServiceTimes
 
 
 def _medians_by_size(points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
-    """One (x, median ms) point per distinct x, in order of x: a measured table is fitted on
-    its medians, so one step preempted on a shared host (20 ms among 4 ms ones) does not move
-    the line."""
+    """Each point's ms replaced by the median at its x (as many points as before, in order of x):
+    a measured table is fitted on its medians, weighted by how often each size was seen, so one
+    step preempted on a shared host (20 ms among 4 ms ones) does not move the line."""
     by_size: dict[float, list[float]] = {}
     for x, ms in points:
         by_size.setdefault(x, []).append(ms)
@@ -45,7 +45,7 @@ def _medians_by_size(points: tuple[tuple[float, float], ...]) -> list[tuple[floa
     for x in sorted(by_size):
         values = sorted(by_size[x])
         n = len(values)
-        out.append((x, (values[(n - 1) // 2] + values[n // 2]) / 2))
+        out += [(x, (values[(n - 1) // 2] + values[n // 2]) / 2)] * n
     return out
 
 

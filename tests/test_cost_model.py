@@ -292,3 +292,12 @@ def test_quadratic_fit_keeps_the_prior_shape_when_times_fall() -> None:
     fit.observe(60, 45.0)  # the longer prompt was faster: noise
     assert (fit.slope, fit.curve) == (0.035, 0.0)
     assert fit(100) > fit(10) > 0
+
+
+def test_tables_are_fitted_on_their_medians_weighted_by_count() -> None:
+    steps = [(1.0, 4.0)] * 6 + [(1.0, 20.0)] + [(8.0, 8.0)] * 3  # one preempted batch-1 step
+    fitted = CostModel.from_tables(ServiceTimes(), MeasuredTables(decode_step=tuple(steps))).service_times()
+    assert fitted.decode_step_base_ms + fitted.decode_step_ms_per_seq == pytest.approx(4.0)
+    assert fitted.decode_step_base_ms + 8 * fitted.decode_step_ms_per_seq == pytest.approx(8.0)
+    one_size = CostModel.from_tables(ServiceTimes(), MeasuredTables(encode=((1.0, 4.0), (1.0, 5.0), (1.0, 30.0))))
+    assert one_size.encode_ms(1) == pytest.approx(5.0)  # enough points at one size: the level is refit, not the prior's
