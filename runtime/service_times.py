@@ -73,8 +73,9 @@ class ServiceTimes:
                              passes (reserve, KV receive, its stream; a colocated request's
                              embedding fetch): one process, so it stalls the steps
     decode_step_extra_ms   = the decode worker's CPU per step beyond the timed forward
-                             (scheduling, sampling, sending the batch's tokens): the simulator
-                             adds it to every step (the cost model's step fit does not hold it)
+                             (scheduling, sampling, sending the batch's tokens): on a shared
+                             host the simulator runs it beside every step (CPU the cores must
+                             do; the timed step already holds its effect on the step's length)
     hop_ms                 = a request's latency that is no stage's work: HTTP, RPC and thread
                              hand-offs between the processes (``epd profile``: idle TTFT less the
                              simulated idle TTFT). Taken as the request arrives; on a shared

@@ -48,6 +48,10 @@ from sim.host_cpu import HostCpu
 IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
 
 
+def _side_done(t: float, arg: Any) -> None:
+    return None
+
+
 class DecodeWorker:
     __slots__ = (
         "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
@@ -375,16 +379,22 @@ class SharedDecodeWorker(DecodeWorker):
     """A ``DecodeWorker`` on a shared host (``sim.host_cpu``): every step, whole local
     prefill and chunk is a piece of work that runs at the host's speed.
 
+    ``step_extra_ms`` (the worker's untimed CPU per step: sampling, streaming the tokens) runs
+    as a piece of its own beside each step: the profiled step is a round trip timed on the
+    worker's event loop, so it already holds what that work does to the step's length; the
+    cores still have to do it.
+
     One event per step (``per_step``). When a piece takes ``f`` times its idle time, what
     it covers stretches by ``f``: a step's ``d`` (so every gap in it, first gaps and
     breaches follow), a local prefill's stall, a chunk and the step fused with it.
     """
 
-    __slots__ = ("_cpu", "_started", "_work")
+    __slots__ = ("_cpu", "_started", "_work", "step_extra_ms")
 
-    def __init__(self, *args: Any, cpu: HostCpu, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cpu: HostCpu, step_extra_ms: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cpu = cpu
+        self.step_extra_ms = step_extra_ms
         self._started = self._work = 0.0
         self.per_step = True
 
@@ -394,6 +404,8 @@ class SharedDecodeWorker(DecodeWorker):
         self.next_t = t  # at idle speed; the host decides the real end
         self._started, self._work = now, t - now
         self._cpu.run(now, t - now, self._piece_done, self.version, group=self)
+        if self.step_extra_ms and self.running:  # the step's untimed work: the host's, not the step's again
+            self._cpu.run(now, self.step_extra_ms, _side_done)
 
     def _piece_done(self, now: float, version: int) -> None:
         if version != self.version:

@@ -84,11 +84,11 @@ class Simulator:
         n_prefill = 0 if colocated else cfg.prefill_workers
         self.prefill = ServerPool("prefill", n_prefill, ev, self._prefill_start, self._prefill_done, cpu)
         n_decode = cfg.language_workers if colocated else cfg.decode_workers
-        shared = {} if cpu is None else {"cpu": cpu}
+        shared = {} if cpu is None else {"cpu": cpu, "step_extra_ms": p.decode_step_extra_ms}
         self.decode = [
             (DecodeWorker if cpu is None else SharedDecodeWorker)(
                 i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens,
-                step_base_ms=p.decode_step_base_ms + p.decode_step_extra_ms,
+                step_base_ms=p.decode_step_base_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
                 accepts_local=cfg.placement != "disaggregated", fused_saving_ms=min(p.prefill_base_ms, p.decode_step_base_ms),
                 **shared,

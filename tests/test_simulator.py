@@ -558,9 +558,12 @@ def test_profile_splits_the_decode_workers_untimed_cpu_into_request_and_step_sha
     assert split_decode_overhead(1.0, 8, 32, 5.0, 26, 24) is None  # a negative share: noise, keep the figure
 
 
-def test_the_simulator_charges_the_decode_steps_untimed_work():
-    # a 3-token remote answer: the prefill's token, then two 45 ms steps, each 5 ms longer
-    plain = run("disaggregated", [(0.0, 100, 3, 0, 0)])
-    extra = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_step_extra_ms=5.0))
-    assert extra.metrics.ttft_ms == plain.metrics.ttft_ms
-    assert extra.horizon_ms == pytest.approx(plain.horizon_ms + 2 * 5.0)
+def test_the_decode_steps_untimed_work_is_the_hosts_not_the_steps():
+    # a 3-token remote answer: the prefill's token, then two 45 ms steps. Each step's 5 ms of
+    # untimed work runs beside it: on one shared core the pair takes 50 ms, on two 45
+    trace = [(0.0, 100, 3, 0, 0)]
+    for cores, longer in ((0, 0.0), (2, 0.0), (1, 2 * 5.0)):
+        plain = run("disaggregated", trace, service=ServiceTimes(host_cores=cores))
+        extra = run("disaggregated", trace, service=ServiceTimes(host_cores=cores, decode_step_extra_ms=5.0))
+        assert extra.metrics.ttft_ms == plain.metrics.ttft_ms
+        assert extra.horizon_ms == pytest.approx(plain.horizon_ms + longer)
