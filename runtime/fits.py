@@ -16,34 +16,19 @@ import math
 from collections import deque
 
 
-class LinearFit:
-    """``y = intercept + slope x x`` least-squares over the last ``window`` points.
+class _WindowFit:
+    """The window both fits share: validated observations, the oldest leaving as a new one
+    arrives, running sums (``_add``) recomputed exactly (``_exact_sums``) every ``window``
+    observations, and a refit (``_refit``) after each one."""
 
-    Until ``min_points`` observations are held, the prior is returned. With too
-    little spread in x only the intercept is refit (the prior slope is kept); a
-    negative slope (or a non-positive one when ``positive_slope``) also keeps the
-    prior slope; a negative intercept is clamped to 0 and the slope refit through
-    the origin. Each observation costs O(1): the window keeps running sums of
-    shifted values (recomputed exactly every ``window`` observations, so rounding
-    never accumulates).
-    """
+    __slots__ = ("min_points", "rejected", "_points", "_since_exact")
 
-    __slots__ = (
-        "prior_intercept", "prior_slope", "intercept", "slope", "min_points", "positive_slope", "rejected",
-        "_points", "_kx", "_ky", "_sx", "_sy", "_sxx", "_sxy", "_since_exact",
-    )
-
-    def __init__(self, intercept: float, slope: float, *, window: int, min_points: int, positive_slope: bool = False) -> None:
+    def __init__(self, window: int, min_points: int) -> None:
         if window < 1 or min_points < 1 or min_points > window:
             raise ValueError(f"need 1 <= min_points <= window, got min_points={min_points}, window={window}")
-        self.prior_intercept = self.intercept = float(intercept)
-        self.prior_slope = self.slope = float(slope)
         self.min_points = min_points
-        self.positive_slope = positive_slope
         self.rejected = 0
         self._points: deque[tuple[float, float]] = deque(maxlen=window)
-        self._kx = self._ky = 0.0  # shift: sums are of (x - kx), (y - ky)
-        self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._since_exact = 0
 
     @property
@@ -67,10 +52,44 @@ class LinearFit:
         self._since_exact += 1
         if self._since_exact >= points.maxlen or len(points) == 1:  # type: ignore[operator]
             self._exact_sums()
+            self._since_exact = 0
         else:
             self._add(x, y, sign=1.0)
         self._refit()
         return True
+
+    def _add(self, x: float, y: float, sign: float) -> None:
+        raise NotImplementedError
+
+    def _exact_sums(self) -> None:
+        raise NotImplementedError
+
+    def _refit(self) -> None:
+        raise NotImplementedError
+
+
+class LinearFit(_WindowFit):
+    """``y = intercept + slope x x`` least-squares over the last ``window`` points.
+
+    Until ``min_points`` observations are held, the prior is returned. With too
+    little spread in x only the intercept is refit (the prior slope is kept); a
+    negative slope (or a non-positive one when ``positive_slope``) also keeps the
+    prior slope; a negative intercept is clamped to 0 and the slope refit through
+    the origin. Each observation costs O(1): the window keeps running sums of
+    shifted values (recomputed exactly every ``window`` observations, so rounding
+    never accumulates).
+    """
+
+    __slots__ = ("prior_intercept", "prior_slope", "intercept", "slope", "positive_slope",
+                 "_kx", "_ky", "_sx", "_sy", "_sxx", "_sxy")
+
+    def __init__(self, intercept: float, slope: float, *, window: int, min_points: int, positive_slope: bool = False) -> None:
+        super().__init__(window, min_points)
+        self.prior_intercept = self.intercept = float(intercept)
+        self.prior_slope = self.slope = float(slope)
+        self.positive_slope = positive_slope
+        self._kx = self._ky = 0.0  # shift: sums are of (x - kx), (y - ky)
+        self._sx = self._sy = self._sxx = self._sxy = 0.0
 
     def _add(self, x: float, y: float, sign: float) -> None:
         dx, dy = x - self._kx, y - self._ky
@@ -86,7 +105,6 @@ class LinearFit:
         self._sx = self._sy = 0.0
         self._sxx = sum((p[0] - self._kx) ** 2 for p in self._points)
         self._sxy = sum((p[0] - self._kx) * (p[1] - self._ky) for p in self._points)
-        self._since_exact = 0
 
     def _refit(self) -> None:
         n = len(self._points)
@@ -116,7 +134,7 @@ class LinearFit:
         return self.intercept + self.slope * x
 
 
-class QuadraticFit:
+class QuadraticFit(_WindowFit):
     """``y = intercept + slope x x + curve x x^2``: least squares with every coefficient >= 0.
 
     The non-negative solution is exact: each subset of the three terms is solved by least
@@ -134,47 +152,19 @@ class QuadraticFit:
     # index sets into (intercept, slope, curve), in tie-break order
     _SUBSETS = ((0, 1), (0, 1, 2), (0, 2), (1, 2), (0,), (1,), (2,))
 
-    __slots__ = ("prior", "intercept", "slope", "curve", "min_points", "rejected", "_points", "_m", "_since_exact")
+    __slots__ = ("prior", "intercept", "slope", "curve", "_m")
 
     def __init__(self, intercept: float, slope: float, curve: float = 0.0, *, window: int, min_points: int) -> None:
-        if window < 1 or min_points < 1 or min_points > window:
-            raise ValueError(f"need 1 <= min_points <= window, got min_points={min_points}, window={window}")
+        super().__init__(window, min_points)
         self.prior = (float(intercept), float(slope), float(curve))
         self.intercept, self.slope, self.curve = self.prior
-        self.min_points = min_points
-        self.rejected = 0
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)
         # moments of the scaled points: n, Sx, Sx2, Sx3, Sx4, Sy, Sxy, Sx2y, Syy
         self._m = [0.0] * 9
-        self._since_exact = 0
 
-    @property
-    def points(self) -> int:
-        return len(self._points)
-
-    @property
-    def fitted(self) -> bool:
-        return len(self._points) >= self.min_points
-
-    def observe(self, x: float, y: float) -> bool:
-        """Add one point; False (and counted in ``rejected``) when it is not finite and >= 0."""
-        if not (math.isfinite(x) and math.isfinite(y) and x >= 0 and y >= 0):
-            self.rejected += 1
-            return False
-        points = self._points
-        if len(points) == points.maxlen:
-            self._add(*points[0], sign=-1.0)
-        points.append((float(x), float(y)))
-        self._since_exact += 1
-        if self._since_exact >= points.maxlen:  # type: ignore[operator]
-            self._m = [0.0] * 9
-            for px, py in points:
-                self._add(px, py, sign=1.0)
-            self._since_exact = 0
-        else:
-            self._add(float(x), float(y), sign=1.0)
-        self._refit()
-        return True
+    def _exact_sums(self) -> None:
+        self._m = [0.0] * 9
+        for x, y in self._points:
+            self._add(x, y, sign=1.0)
 
     def _add(self, x: float, y: float, sign: float) -> None:
         s = x / self.X_SCALE
