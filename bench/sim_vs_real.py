@@ -177,7 +177,9 @@ def simulate_run(config: SimConfig, workload: Workload, fixed_ms: float = 0.0, m
     ttft, e2e = with_terms(sim.ttft_rows, fixed_ms, miss_ms), with_terms(sim.e2e_rows, fixed_ms, miss_ms)
     split = {kind: with_terms([r for r in sim.ttft_rows if r[1] == (kind == "miss")], fixed_ms, miss_ms)
              for kind in ("hit", "miss")}
+    stack_ms = sim.cpu.work_ms if sim.cpu is not None else None
     return {
+        "stack_cpu_ms_per_request": stack_ms / result.metrics.completed if stack_ms and result.metrics.completed else None,
         "ttft_ms_p50_by_cache": {k: percentile(v, 50) if v else None for k, v in split.items()},
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
         "itl_ms_p50": report["itl_ms_p50"], "tpot_ms_p50": percentile(sorted(sim.tpot), 50) if sim.tpot else None,
@@ -391,6 +393,9 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
     measured = measured_metrics(records, mt)
     trace = Workload(trace=trace_from_records(records, prompt, mt))
     raw = simulate_run(config, trace)
+    # the stack's CPU per request, measured and as the simulator charges it (on a shared host)
+    measured_cpu = sum(v for k, v in point["cpu_cores_used"].items() if k != "load_generator") \
+        * point["report"]["duration_s"] * 1000.0 / max(n, 1)
     predicted = simulate_run(*_with_hops(config, trace, fixed_ms), miss_ms)
     own_cores = simulate_run(*_with_hops(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms),
                              miss_ms)
@@ -413,6 +418,7 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
         "sim_poisson": poisson, "ratio_poisson": ratios(poisson, measured),
         "sim_own_cores": own_cores, "ratio_own_cores": ratios(own_cores, measured),
         "cpu_cores_used": point["cpu_cores_used"], "host_background_cores": point["host_background_cores"],
+        "stack_cpu_ms_per_request": {"measured": measured_cpu, "simulated": raw["stack_cpu_ms_per_request"]},
         "loadavg_1m_before_after": point["loadavg_1m_before_after"],
     }
 
@@ -453,7 +459,9 @@ def table(result: dict[str, Any]) -> str:
             + (" (the queue grew: past capacity)" if (point["ttft_p50_last_over_first_third"] or 0) > 2 else ""),
             "  CPU cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items() if v >= 0.005)
             + f" (total {sum(cores.values()):.2f} of {os.cpu_count()}); host busy with other work (load generator "
-            f"included) {point['host_background_cores']:.2f} cores: the simulated host's background for this load",
+            f"included) {point['host_background_cores']:.2f} cores: the simulated host's background for this load; "
+            f"stack CPU per request measured {_f(point['stack_cpu_ms_per_request']['measured'])} ms, simulated "
+            f"{_f(point['stack_cpu_ms_per_request']['simulated'])} ms",
             f"  {'metric':<12}{'measured':>10}{'predicted':>11}{'ratio':>7}{'<=25%':>7}{'sim raw':>10}{'ratio':>7}"
             f"{'poisson':>10}{'ratio':>7}{'own cores':>10}{'ratio':>7}",
         ]

@@ -55,7 +55,7 @@ def _nothing(t: float, arg: Any) -> None:
 
 class HostCpu:
     __slots__ = ("cores", "background", "_events", "_running", "_waits", "_last", "_wait_speed", "_version",
-                 "stretch_ms", "pieces", "_active", "_rng", "_generating")
+                 "stretch_ms", "pieces", "work_ms", "_active", "_rng", "_generating")
 
     def __init__(self, cores: int, events: EventQueue, background: float = 0.0,
                  active: Callable[[], bool] = lambda: False, seed: int = 0) -> None:
@@ -74,6 +74,7 @@ class HostCpu:
         self._version = 0
         self.stretch_ms = 0.0  # summed over finished pieces: time taken less work
         self.pieces = 0
+        self.work_ms = 0.0  # the stack's work done (idle ms), other work not counted
 
     def run(self, now: float, work_ms: float, done: Done, arg: Any = None, group: Any = None) -> None:
         """Start a piece of ``work_ms`` now; ``done(t, arg)`` runs when it is finished. Pieces with
@@ -159,6 +160,7 @@ class HostCpu:
             if work_ms >= 0.0:  # the stack's own (other work is marked -1)
                 self.stretch_ms += (now - started) - work_ms
                 self.pieces += 1
+                self.work_ms += work_ms
             done(now, arg)
         for _, done, arg in over:
             done(now, arg)

@@ -404,6 +404,7 @@ def test_host_cpu_shares_its_cores_between_running_pieces() -> None:
     ev2.run()
     assert 1.05 * 2000.0 < got2[0] < 1.5 * 2000.0
     assert busy.pieces == 1 and busy.mean_stretch_ms() == pytest.approx(got2[0] - 2000.0)  # other work is not counted
+    assert busy.work_ms == pytest.approx(2000.0)
     # a wait adds no work: alone it takes its time, and it slows no piece
     ev3, got3 = EventQueue(), []
     host = HostCpu(1, ev3)
