@@ -71,7 +71,8 @@ class ServiceTimes:
                              (embedding fetch, RPCs, KV sends), before its first chunk
     decode_request_ms      = the decode worker's CPU per request beyond its timed steps and
                              passes (reserve, KV receive, its stream; a colocated request's
-                             embedding fetch): one process, so it stalls the steps
+                             embedding fetch): on its RPC threads, before the first token (or
+                             the local prefill), taking turns with the steps on a shared host
     decode_step_extra_ms   = the decode worker's CPU per step beyond the timed forward
                              (scheduling, sampling, sending the batch's tokens): on a shared
                              host the simulator runs it beside every step (CPU the cores must

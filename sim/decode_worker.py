@@ -13,9 +13,10 @@ Invariants:
   ``s + n``. The worker therefore schedules one event per membership change, not
   one per step.
 - ``running + reserved + prefilling <= slots`` (and KV tokens <= ``kv_tokens``).
-- ``claimed == running + reserved + prefilling + len(prealloc) + len(local_q)``: a
-  request claims a slot from ``reserve`` / ``submit_local`` until it finishes or its
-  reservation is released; moving between those queues leaves ``claimed`` unchanged.
+- ``claimed == running + reserved + prefilling + len(prealloc) + len(local_q) + arriving``:
+  a request claims a slot from ``reserve`` / ``claim_local`` until it finishes or its
+  reservation is released; moving between those queues leaves ``claimed`` unchanged
+  (``arriving``: colocated requests placed here whose own work runs before they queue).
 - a whole-prompt local prefill runs between two steps and stalls every running
   sequence: their next gap is ``prefill + step``. After one, at least one decode
   step runs before the next prefill (prefill and decode alternate). A chunked
@@ -43,13 +44,9 @@ from typing import Any
 
 from runtime.placement_policy import DecodeWorkerLoad
 from sim.events import EventQueue
-from sim.host_cpu import HostCpu
+from sim.host_cpu import HostCpu, ignore
 
 IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
-
-
-def _side_done(t: float, arg: Any) -> None:
-    return None
 
 
 class DecodeWorker:
@@ -58,7 +55,7 @@ class DecodeWorker:
         "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
         "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
         "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
-        "join_wait_ms", "joins", "per_step", "fused_saving_ms",
+        "join_wait_ms", "joins", "per_step", "fused_saving_ms", "arriving",
     )
 
     def __init__(
@@ -77,6 +74,7 @@ class DecodeWorker:
         self.running: list[tuple[int, int, Any]] = []  # (finish step, rid, req), sorted: [0] finishes first
         self.reserved = 0
         self.claimed = 0  # slots running, reserved, prefilling or promised to queued requests
+        self.arriving = 0  # colocated requests claimed here, not queued yet
         self.prealloc: deque[Any] = deque()
         self.pending: list[Any] = []
         self.fresh: list[Any] = []  # joined remotely, first token not yet out
@@ -154,12 +152,23 @@ class DecodeWorker:
 
     # ---- local path ----------------------------------------------------------------
 
-    def submit_local(self, req: Any, now: float) -> None:
-        """Queue a colocated request (``req.prefill_ms``, ``req.local_chunks``) for local prefill."""
-        self.local_q.append(req)
+    def claim_local(self, req: Any) -> None:
+        """A colocated request (``req.prefill_ms``, ``req.local_chunks``) is placed here: its slot
+        and its prefill count from now, before its own work lets it queue (``queue_local``)."""
         self.claimed += 1
+        self.arriving += 1
         self.local_backlog += req.prefill_ms
+
+    def queue_local(self, req: Any, now: float) -> None:
+        """The claimed request queues for local prefill."""
+        self.arriving -= 1
+        self.local_q.append(req)
         self.wake(now)
+
+    def submit_local(self, req: Any, now: float) -> None:
+        """Claim and queue at once."""
+        self.claim_local(req)
+        self.queue_local(req, now)
 
     # ---- scheduling ----------------------------------------------------------------
 
@@ -404,8 +413,8 @@ class SharedDecodeWorker(DecodeWorker):
         self.next_t = t  # at idle speed; the host decides the real end
         self._started, self._work = now, t - now
         self._cpu.run(now, t - now, self._piece_done, self.version, group=self)
-        if self.step_extra_ms and self.running:  # the step's untimed work: the host's, not the step's again
-            self._cpu.run(now, self.step_extra_ms, _side_done)
+        if self.step_extra_ms and self.running and self.mode != PREFILL:  # a step runs: its untimed work, beside it
+            self._cpu.run(now, self.step_extra_ms, ignore)
 
     def _piece_done(self, now: float, version: int) -> None:
         if version != self.version:

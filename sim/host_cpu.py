@@ -49,7 +49,8 @@ Done = Callable[[float, Any], None]
 BACKGROUND_PIECE_MS = 1.0  # mean size of a piece of other work (about a scheduler slice; 1-3 ms predict alike)
 
 
-def _nothing(t: float, arg: Any) -> None:
+def ignore(t: float, arg: Any) -> None:
+    """A ``done`` for work whose end nothing waits on."""
     return None
 
 
@@ -92,7 +93,7 @@ class HostCpu:
     def _other_work(self, now: float, _: Any = None) -> None:
         """One piece of the host's other work arrives; the next is drawn while the simulation is live."""
         self._advance(now)
-        self._running.append([self._rng.expovariate(1.0 / BACKGROUND_PIECE_MS), -1.0, now, _nothing, None, None, 1.0])
+        self._running.append([self._rng.expovariate(1.0 / BACKGROUND_PIECE_MS), -1.0, now, ignore, None, None, 1.0])
         self._reschedule(now)
         if self._active():
             self._events.at(now + self._rng.expovariate(self.background / BACKGROUND_PIECE_MS), self._other_work)

@@ -174,13 +174,19 @@ class Simulator:
         self._rid += 1
         self._open += 1
         self.m.arrived += 1
-        hop = self.cfg.service.hop_ms
-        if hop <= 0.0:
-            self._enter(now, req)
-        elif self.cpu is not None:
-            self.cpu.wait(now, hop, self._enter, req)
+        self._after(now, self.cfg.service.hop_ms, self._enter, req, work=False)
+
+    def _after(self, now: float, ms: float, then: Any, req: SimRequest, *, work: bool = True, group: Any = None) -> None:
+        """``then(t, req)`` once ``ms`` have passed: at once for 0; on a shared host as a piece of
+        work (``group``: the process it runs in) or, ``work=False``, a wait; else a plain delay."""
+        if ms <= 0.0:
+            then(now, req)
+        elif self.cpu is None:
+            self.events.at(now + ms, then, req)
+        elif work:
+            self.cpu.run(now, ms, then, req, group=group)
         else:
-            self.events.at(now + hop, self._enter, req)
+            self.cpu.wait(now, ms, then, req)
 
     def _enter(self, now: float, req: SimRequest) -> None:
         """Past the request's hand-offs (``hop_ms``): to the gateway stage, else the encoder."""
@@ -275,13 +281,9 @@ class Simulator:
             if self._local_chunks is not None and req.tokens > 0:  # chunk by chunk, each riding a step
                 req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
                 req.prefill_ms = sum(req.local_chunks)
-            own = cfg.service.decode_request_ms  # the worker's own work for it (embedding fetch, its stream), first
-            if own <= 0.0:
-                worker.submit_local(req, now)
-            elif self.cpu is not None:
-                self.cpu.run(now, own, self._fetched, req, group=worker)
-            else:
-                self.events.at(now + own, self._fetched, req)
+            worker.claim_local(req)
+            # the worker's own work for it (embedding fetch, its stream) comes first
+            self._after(now, cfg.service.decode_request_ms, self._fetched, req, group=worker)
         else:
             self._submit_prefill(req, self.prefill_by_name[decision.prefill_worker], now)
 
@@ -369,19 +371,13 @@ class Simulator:
         self._wait_ms["link"] += now - req.t_send
         self._waits["link"] += 1
         req.t_mark = now
-        receive = self.cfg.service.decode_request_ms
-        if receive <= 0.0:
-            req.worker.land(req, now)  # type: ignore[union-attr]
-        elif self.cpu is not None:
-            self.cpu.run(now, receive, self._received, req, group=req.worker)
-        else:
-            self.events.at(now + receive, self._received, req)
+        self._after(now, self.cfg.service.decode_request_ms, self._received, req, group=req.worker)
 
     def _fetched(self, now: float, req: SimRequest) -> None:
         """The decode worker's own work for a colocated request (embedding fetch, reserve, its
         stream) is done: it queues for local prefill. Like ``_received``, that work runs on the
         worker's RPC threads, taking turns with the step loop."""
-        req.worker.submit_local(req, now)  # type: ignore[union-attr]
+        req.worker.queue_local(req, now)  # type: ignore[union-attr]
 
     def _received(self, now: float, req: SimRequest) -> None:
         """The decode worker's own work for a remote request (reserve, KV receive and insert, its

@@ -568,3 +568,12 @@ def test_the_decode_steps_untimed_work_is_the_hosts_not_the_steps():
         extra = run("disaggregated", trace, service=ServiceTimes(host_cores=cores, decode_step_extra_ms=5.0))
         assert extra.metrics.ttft_ms == plain.metrics.ttft_ms
         assert extra.horizon_ms == pytest.approx(plain.horizon_ms + longer)
+
+
+def test_a_colocated_request_claims_its_slot_before_its_own_work() -> None:
+    # two 1-slot workers, two requests at once: while the first's own work (embedding fetch)
+    # runs, its worker must already show no free slot, so the second goes to the other worker
+    trace = [(0.0, 100, 3, 0, 0), (0.0, 100, 3, 0, 0)]
+    r = run("colocated", trace, prefill_workers=0, decode_workers=2,
+            service=ServiceTimes(decode_slots=1, decode_request_ms=10.0))
+    assert r.metrics.ttft_ms == [pytest.approx(10.0 + 20 + 3.5)] * 2
