@@ -201,9 +201,8 @@ def measured_metrics(records: list[RequestRecord], max_tokens: int) -> dict[str,
     ok = [r for r in records if r.ok]
     ttft = sorted(r.ttft_s * 1000 for r in ok if r.ttft_s is not None)
     gaps = Counter(int(g * 1000 * HIST_PER_MS + 0.5) for r in ok for g in r.itl_s)
-    tpot = sorted((r.e2e_s - r.ttft_s) * 1000 / (sampled_tokens(r.output_tokens, max_tokens) - 1)
-                  for r in ok if r.e2e_s is not None and r.ttft_s is not None
-                  and sampled_tokens(r.output_tokens, max_tokens) > 1)
+    timed = [(r, sampled_tokens(r.output_tokens, max_tokens)) for r in ok if r.e2e_s is not None and r.ttft_s is not None]
+    tpot = sorted((r.e2e_s - r.ttft_s) * 1000 / (n - 1) for r, n in timed if n > 1)  # type: ignore[operator]
     return {
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
         "itl_ms_p50": hist_percentile(dict(gaps), 50) if gaps else None,
@@ -367,7 +366,7 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"] - miss_ms
     idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": idle_stages}
     points = {load: _predict_load(point, run, config, idle_doc, fixed_ms, miss_ms) for load, point in run["loads"].items()}
-    idle_doc["predicted"] = simulate_run(*_with_hops(config, idle_trace, fixed_ms), miss_ms)
+    idle_doc["predicted"] = _predict(config, idle_trace, fixed_ms, miss_ms)
     return {
         "placement": placement, "service_times_file": run["service_times_file"], "service_times": service.to_dict(),
         "profile_tables": content.tables.to_dict(),
@@ -376,11 +375,12 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _with_hops(config: SimConfig, workload: Workload, fixed_ms: float) -> tuple[SimConfig, Workload, float]:
-    """The fixed term as the simulator's ``hop_ms`` (hand-offs that wait for the host's cores);
-    a negative one (the stages alone already over-predict the idle run) stays a constant term."""
+def _predict(config: SimConfig, workload: Workload, fixed_ms: float, miss_ms: float) -> dict[str, Any]:
+    """``simulate_run`` with the fixed term as the simulator's ``hop_ms`` (hand-offs that wait for
+    the host's cores); a negative one (the stages alone already over-predict the idle run) stays
+    a constant term."""
     hops = max(0.0, fixed_ms)
-    return config.with_(service=config.service.replace(hop_ms=hops)), workload, fixed_ms - hops
+    return simulate_run(config.with_(service=config.service.replace(hop_ms=hops)), workload, fixed_ms - hops, miss_ms)
 
 
 def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig, idle: dict[str, Any],
@@ -396,13 +396,12 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
     # the stack's CPU per request, measured and as the simulator charges it (on a shared host)
     measured_cpu = sum(v for k, v in point["cpu_cores_used"].items() if k != "load_generator") \
         * point["report"]["duration_s"] * 1000.0 / max(n, 1)
-    predicted = simulate_run(*_with_hops(config, trace, fixed_ms), miss_ms)
-    own_cores = simulate_run(*_with_hops(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms),
-                             miss_ms)
+    predicted = _predict(config, trace, fixed_ms, miss_ms)
+    own_cores = _predict(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms, miss_ms)
     outputs = [sampled_tokens(r.output_tokens, mt) for r in records if r.ok]
     pool_hit_ratio = 1.0 - min(pool, n) / n
-    poisson = simulate_run(*_with_hops(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]),
-                                       fixed_ms), miss_ms)
+    poisson = _predict(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]), fixed_ms,
+                       miss_ms)
     hits = [cache_hits(r, False) for r in records if r.ok and r.ttft_breakdown]
     stages = breakdown_p50(records)
     ratio = ratios(predicted, measured)
