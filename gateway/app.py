@@ -30,11 +30,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat_backend import ChatBackend
@@ -87,6 +89,31 @@ class BodyLimitMiddleware:
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body is larger than the limit of {self.max_bytes} bytes",
                         "invalid_request_error", None, "request_too_large")
+
+
+COMPONENTS = "#/components/schemas/"
+
+
+def _publish_body_schemas(app: FastAPI, models: list[type[BaseModel]], served_model: str) -> None:
+    """Put the request models the handlers parse themselves into the OpenAPI document's components,
+    with their nested definitions, so every ``$ref`` in ``/openapi.json`` resolves. A ``model``
+    field names the one model served here."""
+    schemas: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template=COMPONENTS + "{model}")
+        schemas.update(schema.pop("$defs", {}))
+        if "model" in schema.get("properties", {}):
+            schema["properties"]["model"]["enum"] = [served_model]
+        schemas[model.__name__] = schema
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(
@@ -150,7 +177,7 @@ def create_app(
     @app.post(
         "/v1/chat/completions",
         openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}},
+            "application/json": {"schema": {"$ref": f"{COMPONENTS}ChatCompletionRequest"}}}}},
         summary="OpenAI chat completions (stream true or false)",
     )
     async def chat_completions(request: Request) -> Response:
@@ -158,6 +185,8 @@ def create_app(
 
     def model_card() -> ModelCard:
         return ModelCard(id=settings.served_model_name, created=created)
+
+    _publish_body_schemas(app, [ChatCompletionRequest], settings.served_model_name)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
