@@ -156,7 +156,10 @@ class GuardedNetworkBackend(httpcore.AsyncNetworkBackend):
             raise httpcore.ConnectTimeout(f"resolving {host!r} timed out") from None
         except OSError as exc:
             raise httpcore.ConnectError(f"resolving {host!r} failed: {exc}") from None
-        addresses = list(dict.fromkeys(ipaddress.ip_address(a.split("%", 1)[0]) for a in resolved))
+        try:
+            addresses = list(dict.fromkeys(ipaddress.ip_address(a.split("%", 1)[0]) for a in resolved))
+        except ValueError as exc:
+            raise httpcore.ConnectError(f"resolving {host!r} gave a non-address: {exc}") from None
         if not addresses:
             raise httpcore.ConnectError(f"{host!r} has no address")
         refused = [a for a in addresses if not self.policy.address_allowed(a)]

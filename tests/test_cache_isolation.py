@@ -9,17 +9,19 @@ refused, so these requests would fail if the salt did not reach it).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from test_gateway_e2e import image_part
-
 from cluster import DEMO_MODEL, ROOT, Cluster, free_port
+from runtime.demo_model.shapes import draw_shape
 
 KEYS = ("sk-isolation-one", "sk-isolation-two")
 
@@ -59,14 +61,17 @@ def stack(tmp_path_factory):
 
 def ask(base: str, seed: int, key: str, cache_salt: str | None = None) -> dict[str, float]:
     """One image question; returns its TTFT breakdown."""
-    part, answer = image_part(seed)
+    sample = draw_shape(random.Random(seed))
+    png = io.BytesIO()
+    sample.image.save(png, "PNG")
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}
     body = {"model": "demo-vlm", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["content"].strip() == answer
+    assert r.json()["choices"][0]["message"]["content"].strip() == sample.answer
     return json.loads(r.headers["x-epd-ttft-breakdown"])
 
 

@@ -20,13 +20,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import httpcore
+import httpx
 import pytest
 from inprocess_backend import demo_model_path, image_bytes, image_message, shape
 
 from gateway.app import create_app
 from gateway.errors import ApiError
 from gateway.images import RemoteImageFetcher
-from gateway.media_policy import AddressClass, MediaNetwork, MediaUrlPolicy, classify
+from gateway.media_policy import AddressClass, MediaNetwork, MediaUrlPolicy, MediaUrlRefused, classify
 from gateway.settings import GatewaySettings
 
 PNG = image_bytes(shape(3).image)
@@ -150,8 +151,6 @@ async def refused(f: RemoteImageFetcher, url: str) -> ApiError:
 
 # -- the HTTP API -------------------------------------------------------------------------------
 async def test_a_loopback_image_server_is_refused_by_default_and_served_with_the_opt_in(host, backend, prompts):
-    import httpx
-
     async def post(app, url: str) -> httpx.Response:
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
@@ -314,16 +313,12 @@ def test_address_classes(address, kind):
 
 
 def test_policy_allows_by_class_and_checks_urls():
-    import httpx
-
     strict, opted = MediaUrlPolicy(), MediaUrlPolicy(allow_private=True)
     loop, meta = ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("169.254.169.254")
     assert not strict.address_allowed(loop) and opted.address_allowed(loop)
     assert not opted.address_allowed(meta)
     domains = MediaUrlPolicy.from_settings([" Images.Example.com "], False)
     domains.check_url(httpx.URL("https://images.example.com./a.png"))
-    from gateway.media_policy import MediaUrlRefused
-
     for url in ("https://evil.example.com/a.png", "ftp://images.example.com/a.png"):
         with pytest.raises(MediaUrlRefused):
             domains.check_url(httpx.URL(url))
