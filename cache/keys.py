@@ -8,7 +8,11 @@ An embedding is a function of three things, and the key names all three:
 2. the model that encoded it (``model_fingerprint``: id and revision, chosen
    by the caller);
 3. the preprocessing that turned pixels into model input
-   (``preprocess_digest`` of the processor config).
+   (``preprocess_digest`` of the processor config);
+
+and, optionally, a **cache salt**: the tenant's namespace (the request's
+``cache_salt``, combined by the gateway with its API key's digest; see
+``gateway.auth``). Two requests share an entry only when they share the salt.
 
 Invariants:
 
@@ -25,6 +29,10 @@ Invariants:
   exactly that for both.
 * Fields are length-prefixed and the hasher is domain-separated
   (``derive_key_context``), so no two different inputs share a hash stream.
+* An empty salt gives exactly the unsalted key of earlier versions (same
+  context, same fields), so existing cache entries stay valid. A salted key
+  is hashed under its own context with the salt as one more field: it can
+  never equal an unsalted key, nor the key of another salt.
 
 Lossy formats are decoded by the local Pillow/libjpeg; two hosts with
 different decoder builds may get different pixels, hence different keys: a
@@ -43,6 +51,7 @@ from PIL import Image, UnidentifiedImageError
 
 _IMAGE_CONTEXT = "epd encoder-cache image digest v1"
 _KEY_CONTEXT = "epd encoder-cache key v1"
+_SALTED_KEY_CONTEXT = "epd encoder-cache salted key v1"
 _PREPROCESS_CONTEXT = "epd encoder-cache preprocess config v1"
 _EXIF_ORIENTATION = 0x0112
 _PARALLEL_HASH_BYTES = 1 << 22  # above this, let blake3 use its thread pool
@@ -74,8 +83,11 @@ def image_digest(image: Image.Image) -> str:
     return hasher.hexdigest()
 
 
-def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str) -> str:
-    """Key from an ``image_digest`` and the two identity strings (64 hex chars)."""
+def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
+    """Key from an ``image_digest``, the two identity strings and the salt (64 hex chars).
+
+    ``cache_salt=""`` is the unsalted key (unchanged from before salts existed).
+    """
     for name, value in (
         ("image_hash", image_hash),
         ("model_fingerprint", model_fingerprint),
@@ -83,22 +95,26 @@ def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str)
     ):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    hasher = blake3.blake3(derive_key_context=_KEY_CONTEXT)
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    hasher = blake3.blake3(derive_key_context=_SALTED_KEY_CONTEXT if cache_salt else _KEY_CONTEXT)
     _field(hasher, model_fingerprint.encode())
     _field(hasher, preprocess_digest.encode())
     _field(hasher, image_hash.encode())
+    if cache_salt:
+        _field(hasher, cache_salt.encode())
     return hasher.hexdigest()
 
 
-def image_content_key(image: Image.Image, model_fingerprint: str, preprocess_digest: str) -> str:
-    """The cache key of ``image`` encoded by ``model_fingerprint`` after ``preprocess_digest``.
+def image_content_key(image: Image.Image, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
+    """The cache key of ``image`` encoded by ``model_fingerprint`` after ``preprocess_digest``, in ``cache_salt``'s namespace.
 
     ``image`` must be the picture as decoded from its bytes (see module docstring).
     """
-    return content_key(image_digest(image), model_fingerprint, preprocess_digest)
+    return content_key(image_digest(image), model_fingerprint, preprocess_digest, cache_salt)
 
 
-def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess_digest: str) -> str:
+def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
     """Same key as ``image_content_key`` for the image file ``data`` (what the gateway receives).
 
     Raises ``ValueError`` when ``data`` is not an image Pillow can decode.
@@ -106,7 +122,7 @@ def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            return image_content_key(image, model_fingerprint, preprocess_digest)
+            return image_content_key(image, model_fingerprint, preprocess_digest, cache_salt)
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(f"not a decodable image: {exc}") from exc
 

@@ -1,8 +1,10 @@
 """The Encoder gRPC service: image bytes in, embeddings into the encoder cache.
 
 A request names each image by its content key (computed by the gateway from the
-decoded pixels, the model fingerprint and the preprocessing digest). The key is
-re-derived here and must match, so a wrong key can never poison the shared cache.
+decoded pixels, the model fingerprint, the preprocessing digest and the ref's
+``cache_salt``, the tenant's namespace). The key is re-derived here from the bytes
+and the salt and must match, so a wrong key can never poison the shared cache, nor
+file an image under another tenant's namespace.
 Concurrent misses for one key are merged into one encode (single-flight, across
 replicas when the cache is Redis).
 """
@@ -38,17 +40,17 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.in_flight = 0
         self.cache_hits = 0
 
-    def key_for(self, image: Image.Image) -> str:
-        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest)
+    def key_for(self, image: Image.Image, cache_salt: str = "") -> str:
+        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt)
 
-    def _decode_image(self, data: bytes) -> tuple[Image.Image, str]:
+    def _decode_image(self, data: bytes, cache_salt: str) -> tuple[Image.Image, str]:
         """The validated RGB image and its content key (hashed as decoded, before any conversion)."""
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
         except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
             raise InvalidImage(f"not a decodable image: {exc}") from exc
-        key = self.key_for(image)
+        key = self.key_for(image, cache_salt)
         return self.adapter.validate_image(image), key
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
@@ -65,7 +67,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                     hit, ref_key = True, ref.cache_key
                 else:
                     try:
-                        image, key = self._decode_image(ref.data)
+                        image, key = self._decode_image(ref.data, ref.cache_salt)
                     except InvalidImage as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     if ref.cache_key and ref.cache_key != key:

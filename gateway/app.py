@@ -11,6 +11,10 @@ Routes:
 ``GET /status``                the backend's ``status()`` as JSON
 =============================  ==========================================================
 
+With API keys configured (``--api-key`` / ``EPD_API_KEY``), ``/v1/*`` (and, unless
+``open_metrics_and_status``, ``/metrics`` and ``/status``) need ``Authorization:
+Bearer KEY``; see ``gateway.auth``. ``/health`` is always open.
+
 Request headers: ``x-ttft-slo-ms`` and ``x-itl-slo-ms`` override the settings'
 SLOs for one request. Response headers: ``x-request-id``; for non-streaming
 chat ``x-epd-ttft-breakdown``: a JSON object of the backend's per-stage entries
@@ -21,7 +25,7 @@ the chunk with ``finish_reason`` (headers are sent before the first token).
 
 ``create_app`` builds everything from its arguments (no module globals): the
 processor is loaded once, here; the backend is started and closed by the
-lifespan, together with the HTTP client used for remote images.
+lifespan, together with the remote-image fetcher (``gateway.images``) and its HTTP client.
 """
 
 from __future__ import annotations
@@ -32,18 +36,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .auth import install_api_keys
 from .chat_backend import ChatBackend
 from .chat_handler import ChatHandler
 from .errors import ApiError, error_body, install_error_handlers
 from .images import ImageLimits, ImageLoader, RemoteImageFetcher
 from .loop_lag import LoopLagMonitor
+from .media_policy import MediaNetwork
 from .metrics import GatewayMetrics
 from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
 from .prompt import PromptBuilder
@@ -122,12 +127,13 @@ def create_app(
     *,
     prompt_builder: PromptBuilder | None = None,
     registry: CollectorRegistry | None = None,
-    http_client: httpx.AsyncClient | None = None,
+    media_network: MediaNetwork | None = None,
 ) -> FastAPI:
     """The gateway app.
 
-    ``prompt_builder`` and ``http_client`` are for injection (tests); by default they are built from
-    ``settings`` (a given ``http_client`` is used for remote images and not closed by the app).
+    ``prompt_builder`` and ``media_network`` are for injection (tests); by default the first is built
+    from ``settings`` and remote images go through the system's resolver and sockets (always behind
+    the media URL policy, ``gateway.media_policy``).
     ``registry`` holds the HTTP metrics (default: a new one per app); ``/metrics`` renders it
     followed by prometheus_client's process-wide ``REGISTRY``, where module-level metrics such as
     the orchestrator's live.
@@ -142,17 +148,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = http_client
-        if settings.allow_remote_images and client is None:
-            client = httpx.AsyncClient(
-                timeout=httpx.Timeout(settings.remote_image_timeout_s),
-                follow_redirects=True,
-                max_redirects=3,
-                limits=httpx.Limits(max_connections=32),
-            )
-        if settings.allow_remote_images:
-            images.fetcher = RemoteImageFetcher(client, settings.remote_image_timeout_s, settings.max_image_bytes)
         await orchestrator.start()
+        fetcher = RemoteImageFetcher.open(settings, media_network) if settings.allow_remote_images else None
+        images.fetcher = fetcher
         loop_lag.start()
         log.info("gateway serving %s from %s", settings.served_model_name, settings.model)
         try:
@@ -163,8 +161,8 @@ def create_app(
             try:
                 await orchestrator.close()
             finally:
-                if client is not None and client is not http_client:
-                    await client.aclose()
+                if fetcher is not None:
+                    await fetcher.aclose()
 
     app = FastAPI(title="epd gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -173,6 +171,8 @@ def create_app(
     app.state.loop_lag = loop_lag
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:   # added last: the outermost middleware, so nothing runs before the key check
+        install_api_keys(app, settings.api_key, settings.open_metrics_and_status, metrics.registry)
 
     @app.post(
         "/v1/chat/completions",

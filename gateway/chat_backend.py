@@ -47,6 +47,9 @@ class ChatJob:
     ttft_deadline_s: float   # absolute time.monotonic() by which the first token must arrive
     itl_slo_ms: float
     arrival_s: float         # time.monotonic() when the request arrived at the gateway
+    # the tenant's encoder-cache namespace: the request's cache_salt, combined with its API key's
+    # digest when salting per key (gateway.auth.effective_cache_salt); "" = the shared namespace
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)

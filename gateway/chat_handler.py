@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from runtime.sampling import SamplingParams
 
+from .auth import effective_cache_salt, request_tenant
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
@@ -176,6 +177,7 @@ class ChatHandler:
             ttft_deadline_s=arrival_s + ttft_slo_ms / 1e3,
             itl_slo_ms=itl_slo_ms,
             arrival_s=arrival_s,
+            cache_salt=effective_cache_salt(chat.cache_salt, request_tenant(request), self.settings.cache_salt_per_api_key),
         )
 
     # -- steps 6-7 ----------------------------------------------------------------------

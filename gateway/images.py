@@ -4,9 +4,12 @@ Order of checks for one image (each failure is a 400 with ``param`` naming the p
 
 1. ``data:`` URL: media type ``image/*`` and ``;base64``; the encoded length
    bounds the byte size, so an oversized image is refused before decoding.
-   http(s) URL: only when ``allow_remote_images``; ``Content-Length`` and then
-   the streamed byte count are held to ``max_image_bytes``, the whole fetch to
-   ``remote_image_timeout_s``.
+   http(s) URL: only when ``allow_remote_images``, and only where the media
+   URL policy allows (``gateway.media_policy``: public addresses, checked at
+   connect time after every redirect; ``allowed_media_domains``); else 400
+   ``media_url_not_allowed``. ``Content-Length`` and then the streamed byte
+   count are held to ``max_image_bytes``, the whole fetch (redirects included)
+   to ``remote_image_timeout_s``.
 2. base64 decoded strictly (malformed input is refused, not skipped).
 3. Header only (``Image.open`` is lazy): the format must be PNG, JPEG or WebP
    and width x height within ``max_image_pixels`` and ``max_image_side`` —
@@ -24,6 +27,7 @@ import asyncio
 import base64
 import binascii
 import io
+import logging
 from dataclasses import dataclass
 
 import httpx
@@ -31,10 +35,16 @@ from PIL import Image, UnidentifiedImageError
 
 from .chat_backend import PreparedImage
 from .errors import ApiError
+from .media_policy import GuardedTransport, MediaNetwork, MediaUrlPolicy, MediaUrlRefused
+from .settings import GatewaySettings
+
+log = logging.getLogger("epd.gateway")
 
 ALLOWED_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
 # the modes runtime.model_adapter.VLMAdapter.validate_image converts to RGB
 ACCEPTED_MODES = frozenset({"RGB", "RGBA", "L", "LA", "P", "CMYK", "YCbCr"})
+_FETCH_HEADERS = {"Accept": "image/*", "Accept-Encoding": "identity"}
+_READ_CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,36 +86,80 @@ def decode_data_url(url: str, limits: ImageLimits, param: str | None = None) -> 
 
 
 class RemoteImageFetcher:
-    """Fetches http(s) image URLs with a byte limit and a total time limit."""
+    """Fetches http(s) image URLs within the media URL policy, a byte limit and a total time limit.
 
-    def __init__(self, client: httpx.AsyncClient, timeout_s: float, max_bytes: int):
+    Redirects are followed here (at most ``max_redirects``), so the policy's URL check sees every
+    target; the address check runs wherever a socket is opened (``gateway.media_policy``). The body
+    is read raw (``Accept-Encoding: identity``; a content-encoded answer is refused, so no
+    decompressor can inflate a small body) and counted as it streams: a chunk that would pass
+    ``max_bytes`` ends the fetch before it is kept.
+
+    What a client is told: "not allowed" for anything the policy refuses (never the address, port
+    or reason); for an allowed host, that the fetch failed, with the HTTP status when there was one
+    (the host is public, or private by the operator's opt-in), never the network error's detail.
+
+    Lifecycle: ``open`` builds the HTTP client it owns; ``aclose`` closes it (the app's lifespan).
+    """
+
+    def __init__(self, client: httpx.AsyncClient, policy: MediaUrlPolicy, timeout_s: float, max_bytes: int,
+                 max_redirects: int = 3):
         self.client = client
+        self.policy = policy
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
+        self.max_redirects = max_redirects
+
+    @classmethod
+    def open(cls, settings: GatewaySettings, network: MediaNetwork | None = None) -> "RemoteImageFetcher":
+        policy = MediaUrlPolicy.from_settings(settings.allowed_media_domains, settings.allow_private_media_urls)
+        client = httpx.AsyncClient(transport=GuardedTransport(policy, network or MediaNetwork()), trust_env=False,
+                                   timeout=httpx.Timeout(settings.remote_image_timeout_s), follow_redirects=False)
+        return cls(client, policy, settings.remote_image_timeout_s, settings.max_image_bytes)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
     async def fetch(self, url: str, param: str | None = None) -> bytes:
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await self._fetch(url, param)
-        except TimeoutError:
+        except (TimeoutError, httpx.TimeoutException):
             raise _bad(f"fetching the image took longer than {self.timeout_s:g} s", param, "image_fetch_timeout") from None
-        except httpx.HTTPError as exc:
-            raise _bad(f"could not fetch the image: {type(exc).__name__}", param, "image_fetch_failed") from None
+        except MediaUrlRefused as exc:
+            log.info("media URL refused: %s", exc)   # the reason stays in the log
+            raise _bad("image URL is not allowed by this server's media URL policy", param, "media_url_not_allowed") from None
+        except httpx.InvalidURL:
+            raise _bad("image_url is not a valid URL", param, "invalid_image_url") from None
+        except httpx.HTTPError:
+            raise _bad("could not fetch the image", param, "image_fetch_failed") from None
 
     async def _fetch(self, url: str, param: str | None) -> bytes:
+        target = httpx.URL(url)
+        for _ in range(self.max_redirects + 1):
+            self.policy.check_url(target)
+            async with self.client.stream("GET", target, headers=_FETCH_HEADERS) as response:
+                if response.has_redirect_location:
+                    target = target.join(response.headers["location"])
+                    continue
+                if response.status_code != 200:
+                    raise _bad(f"could not fetch the image: HTTP {response.status_code}", param, "image_fetch_failed")
+                if response.headers.get("content-encoding", "identity").strip().lower() != "identity":
+                    raise _bad("could not fetch the image: the server sent a content-encoded body", param,
+                               "image_fetch_failed")
+                return await self._read_limited(response, param)
+        raise _bad("could not fetch the image: too many redirects", param, "image_fetch_failed")
+
+    async def _read_limited(self, response: httpx.Response, param: str | None) -> bytes:
         too_large = _bad(f"image is larger than the limit of {self.max_bytes} bytes", param, "image_too_large")
-        async with self.client.stream("GET", url, headers={"Accept": "image/*"}) as response:
-            if response.status_code != 200:
-                raise _bad(f"could not fetch the image: HTTP {response.status_code}", param, "image_fetch_failed")
-            declared = response.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-                raise too_large
-            chunks, size = [], 0
-            async for chunk in response.aiter_bytes():
-                size += len(chunk)
-                if size > self.max_bytes:
-                    raise too_large
-                chunks.append(chunk)
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in response.aiter_raw(_READ_CHUNK):
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise too_large   # the over-limit chunk is dropped, the connection closed unread
+            chunks.append(chunk)
         return b"".join(chunks)
 
 

@@ -102,6 +102,7 @@ class ChatCompletionRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)   # vLLM's: the encoder-cache namespace
     # OpenAI fields accepted only at their no-op values
     n: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None

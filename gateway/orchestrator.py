@@ -215,8 +215,10 @@ class Orchestrator:
             m.ADMISSION_REJECTED.labels("no_encoder_workers").inc()
             raise AdmissionRefused(503, "no healthy encoder worker", 1.0)
         encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
-        fp, digest = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest
-        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest) for im in job.images])
+        fp, digest, salt = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest, job.cache_salt
+        # salted keys everywhere below (seen_images, Cached, Encode, the breakdown's hit count): a
+        # request learns about cached images only within its own salt, never another tenant's
+        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest, salt) for im in job.images])
         checked = [self.seen_images.seen(k) for k in keys]   # never-seen images: Encode finds out
         ask = [k for k, c in zip(keys, checked) if c]
         found: set[str] = set()
@@ -228,7 +230,8 @@ class Orchestrator:
                 pass
             for k in ask:
                 m.ENCODER_CACHE_CHECKS.labels(str(k in found).lower()).inc()
-        refs = [pb.ImageRef(cache_key=k, data=im.data, encoder_address=encoder.address) for k, im in zip(keys, job.images)]
+        refs = [pb.ImageRef(cache_key=k, data=im.data, encoder_address=encoder.address, cache_salt=salt)
+                for k, im in zip(keys, job.images)]
         return refs, keys, checked, sum(k in found for k in keys), encoder
 
     def _left_s(self, job: ChatJob) -> float:

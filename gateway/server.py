@@ -27,7 +27,20 @@ def parse_gateway_args(argv: list[str]) -> GatewaySettings:
     p.add_argument("--prefill-chunk-tokens", type=int)
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--itl-slo-ms", type=float)
+    sec = p.add_argument_group("security", "see docs/deploy.md; each flag overrides its EPD_* variable")
+    sec.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; env EPD_API_KEY=k1,k2)")
+    sec.add_argument("--open-metrics-and-status", action="store_true", default=None,
+                     help="with API keys: serve /metrics and /status without a key")
+    sec.add_argument("--cache-salt-per-api-key", action=argparse.BooleanOptionalAction,
+                     help="with API keys: each key gets its own encoder-cache namespace (default on)")
+    sec.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                     help="fetch image URLs only from these hostnames (space- or comma-separated)")
+    sec.add_argument("--allow-private-media-urls", action="store_true", default=None,
+                     help="allow image URLs on loopback/private addresses (on-prem media servers)")
     args = p.parse_args(argv)
+    if args.allowed_media_domains is not None:
+        args.allowed_media_domains = ",".join(args.allowed_media_domains)
     return GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
 
 

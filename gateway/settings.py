@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 MiB = 1 << 20
 
 AddressList = Annotated[list[str], NoDecode]
+NameList = Annotated[list[str], NoDecode]   # comma-separated in the environment
 
 
 class GatewaySettings(BaseSettings):
@@ -52,12 +53,27 @@ class GatewaySettings(BaseSettings):
     prefill_chunk_tokens: int = Field(default=256, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
-    @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", mode="before")
+    # security (gateway.auth, gateway.media_fetch; docs/deploy.md "Security")
+    api_key: NameList = Field(default_factory=list, repr=False)   # EPD_API_KEY=k1,k2: /v1/* then needs one
+    open_metrics_and_status: bool = False       # with keys set: serve /metrics and /status without one
+    cache_salt_per_api_key: bool = True         # with keys set: each key is its own encoder-cache namespace
+    allowed_media_domains: NameList = Field(default_factory=list)   # empty: any public host
+    allow_private_media_urls: bool = False      # fetch media from private/loopback addresses (on-prem)
+
+    @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", "api_key", "allowed_media_domains", mode="before")
     @classmethod
     def _split_addresses(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_are_usable(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not key.strip() or key != key.strip() or not key.isprintable():
+                raise ValueError("an API key must be non-empty printable text without surrounding spaces")
+        return keys
 
     @model_validator(mode="after")
     def _limits_agree(self) -> "GatewaySettings":

@@ -106,3 +106,35 @@ def test_bad_inputs_raise_clear_errors() -> None:
         image_content_key(picture(), "", PP)
     with pytest.raises(ValueError, match="not a decodable image"):
         image_content_key_from_bytes(b"definitely not an image", MODEL, PP)
+
+
+# -- cache_salt: tenants' namespaces ------------------------------------------------------------
+# the key of picture() under MODEL/PP computed by the code before salts existed
+UNSALTED_KEY_BEFORE_SALTS = "8ee801070b0e564f536b64335d50f3e87032ac02d66394b300e4d0682a463fa0"
+
+
+def test_empty_salt_keeps_the_keys_of_before_salts_byte_for_byte() -> None:
+    image = picture()
+    assert image_content_key(image, MODEL, PP) == UNSALTED_KEY_BEFORE_SALTS
+    assert image_content_key(image, MODEL, PP, "") == UNSALTED_KEY_BEFORE_SALTS
+    assert content_key(image_digest(image), MODEL, PP, cache_salt="") == UNSALTED_KEY_BEFORE_SALTS
+
+
+def test_salt_is_part_of_the_key_and_both_sides_agree() -> None:
+    image = picture()
+    a, b = image_content_key(image, MODEL, PP, "tenant-a"), image_content_key(image, MODEL, PP, "tenant-b")
+    assert len({a, b, UNSALTED_KEY_BEFORE_SALTS}) == 3
+    assert image_content_key(image, MODEL, PP, "tenant-a") == a   # deterministic
+    assert image_content_key_from_bytes(png_bytes(image), MODEL, PP, "tenant-a") == a   # the encoder's derivation
+
+
+def test_salt_fields_do_not_run_together() -> None:
+    # length-prefixed fields: moving characters between the preprocess digest and the salt changes the key
+    digest = image_digest(picture())
+    assert content_key(digest, MODEL, "pp", "xsalt") != content_key(digest, MODEL, "ppx", "salt")
+    assert content_key(digest, MODEL + "a", PP, "b") != content_key(digest, MODEL, PP, "ab")
+
+
+def test_salt_must_be_a_string() -> None:
+    with pytest.raises(ValueError, match="cache_salt"):
+        content_key(image_digest(picture()), MODEL, PP, None)  # type: ignore[arg-type]

@@ -354,7 +354,9 @@ def image_server():
 
 async def test_remote_images_are_fetched_with_limits(backend, prompts, image_server, model):
     _, trained = model
-    async with serve(backend, prompts, max_image_bytes=20_000, remote_image_timeout_s=0.5) as client:
+    # the image server is on loopback: refused by default (tests/test_media_urls.py), allowed by the opt-in
+    async with serve(backend, prompts, max_image_bytes=20_000, remote_image_timeout_s=0.5,
+                     allow_private_media_urls=True) as client:
         r = await client.post("/v1/chat/completions", json=chat(image_message(f"{image_server}/shape.png"), temperature=0))
         assert r.status_code == 200, r.text
         if trained:

@@ -27,14 +27,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "data", "encoder_address")
+    __slots__ = ("cache_key", "data", "encoder_address", "cache_salt")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     data: bytes
     encoder_address: str
-    def __init__(self, cache_key: _Optional[str] = ..., data: _Optional[bytes] = ..., encoder_address: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, cache_key: _Optional[str] = ..., data: _Optional[bytes] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
