@@ -37,6 +37,8 @@ import jinja2
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
+from runtime import supported_models
+
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart
 
@@ -64,6 +66,7 @@ class PromptBuilder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "PromptBuilder":
+        supported_models.check_checkpoint(path)   # the gateway refuses what the workers would
         processor = AutoProcessor.from_pretrained(path)
         text_config = AutoConfig.from_pretrained(path).get_text_config()
         return cls(processor, int(text_config.max_position_embeddings))
