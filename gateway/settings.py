@@ -52,6 +52,10 @@ class GatewaySettings(BaseSettings):
     prefill_chunk_tokens: int = Field(default=256, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 
+    # per-request caps and prompt building (issue 15)
+    max_slo_ms: float = Field(default=120_000.0, gt=0)   # x-ttft-slo-ms / x-itl-slo-ms above this are a 400
+    prompt_workers: int = Field(default=4, ge=1)          # prompts rendered + tokenized at once, one processor copy each
+
     @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", mode="before")
     @classmethod
     def _split_addresses(cls, value: object) -> object:
