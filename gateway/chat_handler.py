@@ -164,8 +164,7 @@ class ChatHandler:
         itl_slo_ms = self._slo(request, ITL_HEADER, self.settings.itl_slo_ms)
         await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        async with self._prompt_slots:
-            token_ids = await asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images])
+        token_ids = await self._build_prompt(chat, images)
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
         sampling = SamplingParams(
             temperature=1.0 if chat.temperature is None else chat.temperature,
@@ -217,6 +216,17 @@ class ChatHandler:
                 raise
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
+
+    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> list[int]:
+        """Token ids, built in a worker thread; at most ``prompt_workers`` builds run at once. A slot is
+        held until its thread ends, even when the request is cancelled meanwhile (a thread cannot be)."""
+        async with self._prompt_slots:
+            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images]))
+            try:
+                return await asyncio.shield(build)
+            except asyncio.CancelledError:
+                await asyncio.gather(build, return_exceptions=True)
+                raise
 
     def _slo(self, request: Request, header: str, default_ms: float) -> float:
         return parse_slo_header(request.headers.get(header), default_ms, header, self.settings.max_slo_ms)
