@@ -2,13 +2,16 @@
 
 Lifecycle (every refusal before step 6 costs no model work):
 
-1. headers: ``x-ttft-slo-ms`` / ``x-itl-slo-ms`` parsed (400 when malformed);
+1. headers: ``x-ttft-slo-ms`` / ``x-itl-slo-ms`` parsed (400 when malformed or
+   above ``max_slo_ms``);
 2. body: JSON (size already bounded by ``BodyLimitMiddleware``, nesting by the
-   parser), then ``ChatCompletionRequest`` (strict types, unknown fields ignored);
-3. request checks: model name, unsupported parameters, ``max_tokens`` limit,
-   image count;
+   parser), then ``ChatCompletionRequest`` (strict types);
+3. request checks: model name, fields not honoured or unknown (400, see
+   ``gateway.openai_schema``), ``max_tokens`` limit, image count, a lower bound
+   on the prompt's tokens against the context (no tokenizer call);
 4. images: fetched / decoded / checked (``gateway.images``);
-5. prompt: chat template + processor -> token ids; context length check;
+5. prompt: chat template + processor -> token ids, at most ``prompt_workers``
+   at once, in parallel; exact context length check;
 6. ``backend.generate(job)``; the first event is awaited *before* any response
    is sent, so admission refusals and deadline misses get their real status
    (429/503/504) even for ``stream: true``. The gateway's own guard fires
@@ -67,20 +70,19 @@ log = logging.getLogger("epd.gateway")
 TTFT_HEADER = "x-ttft-slo-ms"
 ITL_HEADER = "x-itl-slo-ms"
 BREAKDOWN_HEADER = "x-epd-ttft-breakdown"
-MAX_SLO_MS = 3_600_000.0
-
 T = TypeVar("T")
 
 
-def parse_slo_header(value: str | None, default_ms: float, name: str) -> float:
+def parse_slo_header(value: str | None, default_ms: float, name: str, max_ms: float) -> float:
+    """A per-request SLO in milliseconds, in (0, ``max_ms``] (``settings.max_slo_ms``); else a 400 naming the header."""
     if value is None:
         return default_ms
     try:
         ms = float(value)
     except ValueError:
         ms = math.nan
-    if not (0 < ms <= MAX_SLO_MS):
-        raise ApiError.bad_request(f"header {name} must be a number of milliseconds in (0, {MAX_SLO_MS:g}]", name, "invalid_header")
+    if not (0 < ms <= max_ms):
+        raise ApiError.bad_request(f"header {name} must be a number of milliseconds in (0, {max_ms:g}]", name, "invalid_header")
     return ms
 
 
@@ -103,6 +105,7 @@ class ChatHandler:
         self.prompts = prompts
         self.images = images
         self.metrics = metrics
+        self._prompt_slots = asyncio.Semaphore(settings.prompt_workers)   # builds in flight, one processor copy each
 
     # -- steps 1-5: from request to job -------------------------------------------
     async def parse(self, request: Request) -> ChatCompletionRequest:
@@ -122,9 +125,9 @@ class ChatHandler:
                 f"model {chat.model!r} is not served here; this server serves {self.settings.served_model_name!r}",
                 "model", "model_not_found",
             )
-        unsupported = chat.unsupported()
-        if unsupported is not None:
-            raise ApiError.bad_request(unsupported[1], unsupported[0], "unsupported_parameter")
+        refusal = chat.unsupported()
+        if refusal is not None:
+            raise ApiError.bad_request(refusal.message, refusal.param, refusal.code)
         requested = chat.requested_max_tokens
         if requested is not None and requested > self.settings.max_tokens_limit:
             param = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
@@ -158,10 +161,11 @@ class ChatHandler:
         return [t.result() for t in tasks]
 
     async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float) -> ChatJob:
-        ttft_slo_ms = parse_slo_header(request.headers.get(TTFT_HEADER), self.settings.ttft_slo_ms, TTFT_HEADER)
-        itl_slo_ms = parse_slo_header(request.headers.get(ITL_HEADER), self.settings.itl_slo_ms, ITL_HEADER)
+        ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
+        itl_slo_ms = self._slo(request, ITL_HEADER, self.settings.itl_slo_ms)
+        await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        token_ids = await asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images])
+        token_ids = await self._build_prompt(chat, images)
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
         sampling = SamplingParams(
             temperature=1.0 if chat.temperature is None else chat.temperature,
@@ -215,10 +219,24 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
+    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> list[int]:
+        """Token ids, built in a worker thread; at most ``prompt_workers`` builds run at once. A slot is
+        held until its thread ends, even when the request is cancelled meanwhile (a thread cannot be)."""
+        async with self._prompt_slots:
+            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images]))
+            try:
+                return await asyncio.shield(build)
+            except asyncio.CancelledError:
+                await asyncio.gather(build, return_exceptions=True)
+                raise
+
+    def _slo(self, request: Request, header: str, default_ms: float) -> float:
+        return parse_slo_header(request.headers.get(header), default_ms, header, self.settings.max_slo_ms)
+
     def _shed_if_backlogged(self, request: Request, hidden_wait_s: float) -> None:
         """Refuse before reading the body when the wait so far plus the admitted backlog already
         miss the deadline (cheap, so an overloaded gateway spends little on what it refuses)."""
-        ttft_slo_ms = parse_slo_header(request.headers.get(TTFT_HEADER), self.settings.ttft_slo_ms, TTFT_HEADER)
+        ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         backlog_ms = self.backend.backlog_ms() + hidden_wait_s * 1000
         if backlog_ms > ttft_slo_ms:
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",

@@ -1,10 +1,22 @@
 """Pydantic models of the OpenAI chat API subset the gateway serves.
 
-Requests are validated strictly (``"max_tokens": "10"`` is a 400, not 10) but
-unknown top-level fields are accepted and ignored, as OpenAI does. OpenAI
-fields the gateway cannot honour (``n > 1``, ``logprobs``, penalties, tools)
-are refused with a 400 rather than silently ignored, except at their no-op
-values (``n: 1``, ``presence_penalty: 0`` ...), which many clients always send.
+Requests are validated strictly (``"max_tokens": "10"`` is a 400, not 10), and
+every field of the request, at every level, falls under one rule:
+
+* a field we honour is declared here, with exactly the range the workers
+  handle (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``seed`` in the
+  int64 range: ``runtime.sampling``; an image part's ``detail`` "auto" or
+  "high", since the processor always uses the model's full resolution);
+* a known OpenAI or vLLM field we do not honour is accepted only at its no-op
+  value (``n: 1``, ``logprobs: false``, penalties 0, ``response_format:
+  {"type": "text"}``, ``logit_bias: {}``, ``tool_choice: "none"`` without
+  tools ...; the table is ``gateway.request_fields``), else 400
+  ``unsupported_parameter`` naming it;
+* any other field is refused, 400 ``unknown_parameter``: "Unrecognized request
+  argument supplied: X", as OpenAI does.
+
+So no 200 ever ignores what the client asked for. ``cache_salt`` (vLLM's
+tenant-isolation field, at most 256 characters) and ``user`` are accepted.
 
 epd extension: the final ``chat.completion.chunk`` of a stream (the one with
 ``finish_reason``) carries ``epd_ttft_breakdown`` — the same per-stage
@@ -15,17 +27,25 @@ milliseconds that a non-streaming response returns in the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from runtime.sampling import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
+
+from . import request_fields
+from .request_fields import Refusal, first_refusal
+
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
-INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+MAX_CACHE_SALT_CHARS = 256
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    """Strict types; fields outside the schema are kept (``model_extra``) for ``unsupported()`` to judge."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 # -- request ----------------------------------------------------------------------
@@ -36,7 +56,7 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None   # accepted, has no effect
+    detail: Literal["auto", "low", "high"] | None = None   # "low" is refused by unsupported()
 
 
 class ImagePart(_Strict):
@@ -70,7 +90,6 @@ MessageContent = Annotated[
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: MessageContent = None
-    name: str | None = None
 
     @model_validator(mode="after")
     def _content_fits_role(self) -> "ChatMessage":
@@ -95,21 +114,14 @@ class ChatCompletionRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(default=None, max_length=256)   # vLLM's: the encoder-cache namespace
-    # OpenAI fields accepted only at their no-op values
-    n: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    tools: list[dict[str, Any]] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -125,19 +137,28 @@ class ChatCompletionRequest(_Strict):
             raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
         return value
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """``(param, message)`` for the first parameter the gateway cannot honour, else ``None``."""
-        checks = [
-            ("n", self.n not in (None, 1), "only n=1 is supported"),
-            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
-            ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported"),
-            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
-            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
-            ("tools", bool(self.tools), "tools are not supported"),
-            ("stream_options", self.stream_options is not None and not self.stream,
-             "stream_options is only allowed when stream is true"),
-        ]
-        return next(((param, message) for param, bad, message in checks if bad), None)
+    def unsupported(self) -> Refusal | None:
+        """The first field the gateway does not honour at the value sent (see the module docstring), else ``None``."""
+        return next((r for r in self._refusals() if r is not None), None)
+
+    def _refusals(self) -> Iterator[Refusal | None]:
+        yield first_refusal(self, "", request_fields.TOP_LEVEL)
+        if self.stream_options is not None:
+            if not self.stream:
+                yield Refusal("stream_options", "stream_options is only allowed when stream is true",
+                              request_fields.UNSUPPORTED)
+            yield first_refusal(self.stream_options, "stream_options.", request_fields.STREAM_OPTIONS)
+        for i, message in enumerate(self.messages):
+            yield first_refusal(message, f"messages.{i}.", request_fields.MESSAGE)
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                prefix = f"messages.{i}.content.{j}."
+                yield first_refusal(part, prefix, request_fields.NONE)
+                if isinstance(part, ImagePart):
+                    yield first_refusal(part.image_url, prefix + "image_url.", request_fields.NONE)
+                    if part.image_url.detail == "low":
+                        yield Refusal(prefix + "image_url.detail", 'image detail "low" is not supported: images are '
+                                      'always processed at the model\'s full resolution (use "auto" or "high")',
+                                      request_fields.UNSUPPORTED)
 
     # -- resolved values ------------------------------------------------------------
     @property

@@ -18,11 +18,17 @@ size goes through the full processor, and its output is checked against
 N is remembered for the size. If it ever does not hold (a processor that
 expands placeholders into other tokens), the shortcut is off for good.
 
-Threads: a fast (Rust) tokenizer raises "Already borrowed" when one thread
-reconfigures it while another encodes or decodes (huggingface/tokenizers#537).
-So ``build`` — called from worker threads — is serialized by a lock, and
-streaming detokenization on the event loop uses its own copy,
-``decode_tokenizer``, which no other thread touches.
+Length: a prompt that cannot fit the context is refused (400
+``context_length_exceeded``) before the expensive work, from a lower bound on
+its tokens that needs no tokenizer call (``gateway.prompt_bound``): first the
+user messages' text (before rendering; templates may trim it, never drop it),
+then the rendered prompt (catches long system or assistant turns). Only a
+prompt that may fit is tokenized, and the exact count decides.
+
+Threads: ``build`` runs in worker threads, each build on its own processor copy
+(``gateway.processor_pool``), so one long prompt does not hold up the others.
+Streaming detokenization on the event loop uses ``decode_tokenizer``, a copy
+no other thread touches. The learnt placeholder counts are guarded by a lock.
 """
 
 from __future__ import annotations
@@ -37,8 +43,12 @@ import jinja2
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
+from runtime import supported_models
+
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart
+from .processor_pool import ProcessorPool
+from .prompt_bound import TokenFloor
 
 # OpenAI's "developer" role is the system prompt of newer models; templates know "system".
 _TEMPLATE_ROLE = {"developer": "system"}
@@ -52,7 +62,9 @@ class PromptBuilder:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.decode_tokenizer = copy.deepcopy(self.tokenizer)   # event-loop thread only
         self.context_length = context_length
-        self._lock = threading.Lock()
+        self.floor = TokenFloor.of(self.tokenizer)
+        self._processors = ProcessorPool(processor)
+        self._learnt_lock = threading.Lock()   # guards _tokens_per_size and _shortcut_ok
         # the placeholder string the template emits per image; user text may not contain it
         self.image_token: str | None = getattr(processor, "image_token", None)
         self.accepts_images = getattr(processor, "image_processor", None) is not None
@@ -64,6 +76,7 @@ class PromptBuilder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "PromptBuilder":
+        supported_models.check_checkpoint(path)   # the gateway refuses what the workers would
         processor = AutoProcessor.from_pretrained(path)
         text_config = AutoConfig.from_pretrained(path).get_text_config()
         return cls(processor, int(text_config.max_position_embeddings))
@@ -99,30 +112,35 @@ class PromptBuilder:
                 "invalid_value",
             )
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(self, messages: Sequence[ChatMessage], processor: Any = None) -> str:
+        """The chat template's text; ``processor`` is a leased copy (default: the original, single-threaded use)."""
         try:
-            return self.processor.apply_chat_template(
+            return (processor or self.processor).apply_chat_template(
                 self.template_messages(messages), add_generation_prompt=True, tokenize=False
             )
         except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
             raise ApiError.bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
 
     # -- text + images -> token ids ---------------------------------------------------
-    def tokenize(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
+    def tokenize(self, prompt: str, images: Sequence[Image.Image], processor: Any = None) -> list[int]:
         if images and not self.accepts_images:
             raise ApiError.bad_request("this model does not accept images", "messages", "images_not_supported")
-        if images and self._shortcut_ok and all(im.size in self._tokens_per_size for im in images):
-            counts = [self._tokens_per_size[im.size] for im in images]
-            expanded = self._expand(self._text_ids(prompt), counts)
+        processor = processor or self.processor
+        with self._learnt_lock:
+            known = [self._tokens_per_size.get(im.size) for im in images] if self._shortcut_ok else []
+        if images and known and None not in known:
+            expanded = self._expand(self._text_ids(prompt, processor), known)
             if expanded is not None:
                 return expanded
-        ids = self._process(prompt, images)
+        ids = self._process(prompt, images, processor)
         if images and self._shortcut_ok:
-            self._learn(prompt, images, ids)
+            self._learn(prompt, images, ids, processor)
         return ids
 
-    def _text_ids(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    @staticmethod
+    def _text_ids(prompt: str, processor: Any) -> list[int]:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def _expand(self, text_ids: list[int], counts: list[int]) -> list[int] | None:
         """``text_ids`` with the i-th placeholder repeated ``counts[i]`` times; None if the placeholders do not match."""
@@ -139,7 +157,7 @@ class PromptBuilder:
 
     _MAX_LEARNT_SIZES = 4096
 
-    def _learn(self, prompt: str, images: Sequence[Image.Image], ids: list[int]) -> None:
+    def _learn(self, prompt: str, images: Sequence[Image.Image], ids: list[int], processor: Any) -> None:
         """Record placeholder counts per image size from a full processor run, or turn the shortcut off."""
         runs: list[int] = []
         previous = None
@@ -151,23 +169,24 @@ class PromptBuilder:
             previous = t
         if len(runs) != len(images):
             return  # adjacent placeholders merge into one run: nothing to learn from this prompt
+        expands = self._expand(self._text_ids(prompt, processor), runs) == ids
         learnt: dict[tuple[int, int], int] = {}
-        consistent = True
-        for im, n in zip(images, runs):
-            consistent &= learnt.setdefault(im.size, n) == n and self._tokens_per_size.get(im.size, n) == n
-        if not consistent or self._expand(self._text_ids(prompt), runs) != ids:
-            self._shortcut_ok = False
-            self._tokens_per_size.clear()
-            return
-        if len(self._tokens_per_size) < self._MAX_LEARNT_SIZES:
-            self._tokens_per_size.update(learnt)
+        with self._learnt_lock:
+            consistent = expands
+            for im, n in zip(images, runs):
+                consistent &= learnt.setdefault(im.size, n) == n and self._tokens_per_size.get(im.size, n) == n
+            if not consistent:
+                self._shortcut_ok = False
+                self._tokens_per_size.clear()
+            elif len(self._tokens_per_size) < self._MAX_LEARNT_SIZES:
+                self._tokens_per_size.update(learnt)
 
-    def _process(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
+    def _process(self, prompt: str, images: Sequence[Image.Image], processor: Any = None) -> list[int]:
         kwargs: dict[str, Any] = {"text": prompt, "add_special_tokens": False}
         if images:
             kwargs["images"] = list(images)
         try:
-            encoded = self.processor(**kwargs)
+            encoded = (processor or self.processor)(**kwargs)
         except ValueError as exc:  # the processor's own consistency checks on client content
             raise ApiError.bad_request(f"the prompt could not be processed: {exc}", "messages") from None
         ids = encoded["input_ids"]
@@ -176,11 +195,28 @@ class PromptBuilder:
         return [int(t) for t in ids]
 
     def build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image]) -> list[int]:
-        """Token ids for ``messages``; CPU-bound, call it off the event loop (one call at a time inside)."""
-        with self._lock:
-            return self.tokenize(self.render(messages), images)
+        """Token ids for ``messages``; CPU-bound, call it off the event loop. Thread-safe: concurrent
+        builds run in parallel, each on its own processor copy."""
+        self.check_fits(messages)
+        with self._processors.lease() as processor:
+            prompt = self.render(messages, processor)
+            self._refuse_unless_fits(self.floor.tokens_at_least([prompt]), "the rendered prompt")
+            return self.tokenize(prompt, images, processor)
 
     # -- length -----------------------------------------------------------------------
+    def check_fits(self, messages: Sequence[ChatMessage]) -> None:
+        """400 ``context_length_exceeded`` when the user messages' text alone cannot fit; no tokenizer call."""
+        texts = [part for m in messages if m.role == "user" for part in _texts(m)]
+        self._refuse_unless_fits(self.floor.tokens_at_least(texts), "the messages' text")
+
+    def _refuse_unless_fits(self, at_least: int, what: str) -> None:
+        if at_least >= self.context_length:   # not even one new token would fit
+            raise ApiError.bad_request(
+                f"{what} needs at least {at_least} tokens; the model's context is {self.context_length} tokens",
+                "messages",
+                "context_length_exceeded",
+            )
+
     def resolve_max_tokens(self, prompt_tokens: int, requested: int | None, default: int) -> int:
         """The request's max new tokens; 400 when the prompt plus it does not fit the context."""
         room = self.context_length - prompt_tokens
@@ -200,3 +236,11 @@ class PromptBuilder:
                 "context_length_exceeded",
             )
         return requested
+
+
+def _texts(message: ChatMessage) -> list[str]:
+    if isinstance(message.content, str):
+        return [message.content]
+    if isinstance(message.content, list):
+        return [p.text for p in message.content if isinstance(p, TextPart)]
+    return []

@@ -60,6 +60,10 @@ class GatewaySettings(BaseSettings):
     allowed_media_domains: NameList = Field(default_factory=list)   # empty: any public host
     allow_private_media_urls: bool = False      # fetch media from private/loopback addresses (on-prem)
 
+    # per-request caps and prompt building (issue 15)
+    max_slo_ms: float = Field(default=120_000.0, gt=0)   # x-ttft-slo-ms / x-itl-slo-ms above this are a 400
+    prompt_workers: int = Field(default=4, ge=1)          # prompts rendered + tokenized at once, one processor copy each
+
     @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", "api_key", "allowed_media_domains", mode="before")
     @classmethod
     def _split_addresses(cls, value: object) -> object:

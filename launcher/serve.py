@@ -78,6 +78,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    from runtime.supported_models import UnsupportedModel, check_checkpoint
+    try:
+        check_checkpoint(args.model)   # before any child: one line and a non-zero exit, not N failing workers
+    except (UnsupportedModel, OSError) as exc:
+        print("epd serve: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
     children: list[Child] = []
     stopping = False
 

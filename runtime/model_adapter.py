@@ -8,7 +8,8 @@ Nothing of the model is re-implemented: the vision tower and projector run
 through the model's own ``get_image_features``, the splice uses its image token
 id, and the decoder layers run as they are with only attention redirected to the
 KV block pool (see ``paged_attention``). Supported families and what a new one
-needs are listed in ARCHITECTURE.md.
+needs are listed in ARCHITECTURE.md; ``load`` refuses anything else before
+reading weights (``runtime.supported_models``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from . import paged_attention
+from . import paged_attention, supported_models
 from .errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from .kv_pool import KVBlockPool, KVLayout
 from .paged_attention import PagedBatch, SequenceSpan
@@ -101,6 +102,7 @@ class VLMAdapter:
 
     @classmethod
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: str | None = None, **kwargs) -> "VLMAdapter":
+        supported_models.check_checkpoint(path)   # before any weights: UnsupportedModel, one line
         torch_dtype = getattr(torch, dtype) if dtype else "auto"
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa").to(device)

@@ -34,6 +34,7 @@ def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    """Lossless: temperature and top_p are doubles on the wire, the seed an int64 (``SamplingParams``'s range)."""
     msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p)
     if s.seed is not None:
         msg.seed = s.seed
@@ -41,9 +42,10 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """``sampling_from_pb(sampling_to_pb(p)) == p`` for every valid ``p``; an unset top_p (0) means 1."""
     return SamplingParams(
-        temperature=round(float(msg.temperature), 6),
-        top_p=round(float(msg.top_p), 6) if msg.top_p else 1.0,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
     )
 

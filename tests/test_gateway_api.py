@@ -7,6 +7,7 @@ the real model, with hooks to refuse, miss deadlines, hang or fail.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -416,3 +417,45 @@ def test_detokenizer_with_the_demo_tokenizer(prompts):
     assert "".join(pieces) + detok.flush() == "a red square"
     detok = IncrementalDetokenizer(tokenizer, stop=["d squ"])
     assert "".join(feed(detok, ids)) == "a re" and detok.stopped
+
+
+# -- prompt builds run in parallel, at most prompt_workers at once (issue 15, defect 6) ---------------
+def _meeting_prompts(prompts: PromptBuilder, parties: int) -> tuple[PromptBuilder, dict]:
+    """A real PromptBuilder whose chat template waits for ``parties`` renders in flight; records the peak."""
+    proc = copy.deepcopy(prompts.processor)
+    barrier = threading.Barrier(parties, timeout=20)
+    seen = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    class MeetingProcessor(type(proc)):
+        def apply_chat_template(self, *args, **kwargs):
+            with lock:
+                seen["now"] += 1
+                seen["peak"] = max(seen["peak"], seen["now"])
+            try:
+                barrier.wait()
+                return super().apply_chat_template(*args, **kwargs)
+            finally:
+                with lock:
+                    seen["now"] -= 1
+
+    proc.__class__ = MeetingProcessor
+    return PromptBuilder(proc, prompts.context_length), seen
+
+
+async def test_prompt_builds_of_concurrent_requests_overlap(backend, prompts):
+    meeting, seen = _meeting_prompts(prompts, parties=2)
+    async with serve(backend, meeting, prompt_workers=2) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(text_messages(), max_tokens=2))
+                                         for _ in range(2)))
+    assert [r.status_code for r in replies] == [200, 200]
+    assert seen["peak"] == 2
+
+
+async def test_prompt_workers_bounds_the_builds_in_flight(backend, prompts):
+    single, seen = _meeting_prompts(prompts, parties=1)
+    async with serve(backend, single, prompt_workers=1) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(text_messages(), max_tokens=2))
+                                         for _ in range(4)))
+    assert [r.status_code for r in replies] == [200] * 4
+    assert seen["peak"] == 1 and single._processors.size == 1

@@ -128,6 +128,68 @@ CASES = [
     ("tools", text_request(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter", "tools"),
     ("stream-options-without-stream", text_request(stream_options={"include_usage": True}), 400, "unsupported_parameter",
      "stream_options"),
+    # values the workers cannot handle are refused before any work (issue 15, defect 4)
+    ("seed-2^63", text_request(seed=2**63), 400, "invalid_value", "seed"),
+    ("seed-uint64-max", text_request(seed=2**64 - 1), 400, "invalid_value", "seed"),
+    ("seed-below-int64", text_request(seed=-(2**63) - 1), 400, "invalid_value", "seed"),
+    ("top-p-negative", text_request(top_p=-1e-300), 400, "invalid_value", "top_p"),
+    ("top-p-above-one", text_request(top_p=1.0000001), 400, "invalid_value", "top_p"),
+    ("temperature-negative-tiny", text_request(temperature=-5e-324), 400, "invalid_value", "temperature"),
+    ("temperature-inf", b'{"model": "demo-vlm", "messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+     400, "invalid_value", "temperature"),
+    ("max-tokens-float", text_request(max_tokens=1.0), 400, "invalid_value", "max_tokens"),
+    ("max-tokens-bool", text_request(max_tokens=True), 400, "invalid_value", "max_tokens"),
+    # fields not honoured, and unknown fields, are refused naming them (issue 15, defect 5)
+    ("response-format-json", text_request(response_format={"type": "json_object"}), 400, "unsupported_parameter",
+     "response_format"),
+    ("response-format-schema", text_request(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "unsupported_parameter", "response_format"),
+    ("logit-bias", text_request(logit_bias={"5": 10}), 400, "unsupported_parameter", "logit_bias"),
+    ("n-true", text_request(n=True), 400, "unsupported_parameter", "n"),
+    ("presence-penalty", text_request(presence_penalty=0.5), 400, "unsupported_parameter", "presence_penalty"),
+    ("tool-choice-required", text_request(tool_choice="required"), 400, "unsupported_parameter", "tool_choice"),
+    ("functions", text_request(functions=[{"name": "f"}]), 400, "unsupported_parameter", "functions"),
+    ("audio", text_request(audio={"voice": "alloy", "format": "wav"}), 400, "unsupported_parameter", "audio"),
+    ("modalities-audio", text_request(modalities=["text", "audio"]), 400, "unsupported_parameter", "modalities"),
+    ("prediction", text_request(prediction={"type": "content", "content": "x"}), 400, "unsupported_parameter", "prediction"),
+    ("store", text_request(store=True), 400, "unsupported_parameter", "store"),
+    ("metadata", text_request(metadata={"k": "v"}), 400, "unsupported_parameter", "metadata"),
+    ("reasoning-effort", text_request(reasoning_effort="low"), 400, "unsupported_parameter", "reasoning_effort"),
+    ("service-tier-flex", text_request(service_tier="flex"), 400, "unsupported_parameter", "service_tier"),
+    ("top-k", text_request(top_k=5), 400, "unsupported_parameter", "top_k"),
+    ("min-p", text_request(min_p=0.1), 400, "unsupported_parameter", "min_p"),
+    ("repetition-penalty", text_request(repetition_penalty=1.2), 400, "unsupported_parameter", "repetition_penalty"),
+    ("min-tokens", text_request(min_tokens=3), 400, "unsupported_parameter", "min_tokens"),
+    ("stop-token-ids", text_request(stop_token_ids=[3]), 400, "unsupported_parameter", "stop_token_ids"),
+    ("ignore-eos", text_request(ignore_eos=True), 400, "unsupported_parameter", "ignore_eos"),
+    ("guided-json", text_request(guided_json={"type": "object"}), 400, "unsupported_parameter", "guided_json"),
+    ("unknown-field", text_request(frobnicate=1), 400, "unknown_parameter", "frobnicate"),
+    ("unknown-field-null", text_request(frobnicate=None), 400, "unknown_parameter", "frobnicate"),
+    ("unknown-stream-option", text_request(stream=True, stream_options={"include_usage": True, "x": 1}), 400,
+     "unknown_parameter", "stream_options.x"),
+    ("message-name", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400,
+     "unsupported_parameter", "messages.0.name"),
+    ("message-tool-calls", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]}, 400,
+     "unsupported_parameter", "messages.1.tool_calls"),
+    ("unknown-message-field", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, 400,
+     "unknown_parameter", "messages.0.mood"),
+    ("unknown-part-field", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "unknown_parameter",
+     "messages.0.content.0.cache_control"),
+    ("unknown-image-url-field", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": GOOD_PNG, "uuid": "x"}}]}]}, 400, "unknown_parameter",
+     "messages.0.content.0.image_url.uuid"),
+    ("image-detail-low", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": GOOD_PNG, "detail": "low"}}]}]}, 400, "unsupported_parameter",
+     "messages.0.content.0.image_url.detail"),
+    ("cache-salt-too-long", text_request(cache_salt="s" * 257), 400, "invalid_value", "cache_salt"),
+    ("cache-salt-empty", text_request(cache_salt=""), 400, "invalid_value", "cache_salt"),
+    ("cache-salt-number", text_request(cache_salt=5), 400, "invalid_value", "cache_salt"),
+    ("huge-field-name", text_request(**{"x" * 5000: 1}), 400, "unknown_parameter", None),
+    # a prompt that cannot fit is refused before rendering (issue 15, defect 6)
+    ("4-mb-prompt", {"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 350_000}]}, 400,
+     "context_length_exceeded", "messages"),
     # images
     ("malformed-base64", with_image("data:image/png;base64,iVBOR!!!not-base64"), 400, "invalid_base64", URL_PARAM),
     ("not-base64-data-url", with_image("data:image/png,rawbytes"), 400, "invalid_data_url", URL_PARAM),
@@ -197,14 +259,42 @@ async def test_bad_slo_headers(client, backend, header, value):
     assert backend.jobs == []
 
 
-async def test_unknown_top_level_fields_are_ignored(client):
-    body = text_request(max_tokens=2, metadata={"deep": [1, {"x": None}]}, service_tier="auto", n=1,
-                        presence_penalty=0, frequency_penalty=0.0, logprobs=False, user="u1")
+async def test_known_fields_at_their_no_op_values_are_accepted(client, backend):
+    """The values many clients always send: accepted, because they ask for nothing we do not do."""
+    body = text_request(
+        max_tokens=2, n=1, logprobs=False, top_logprobs=0, presence_penalty=0, frequency_penalty=0.0,
+        response_format={"type": "text"}, logit_bias={}, tools=[], tool_choice="none", parallel_tool_calls=True,
+        functions=None, function_call=None, modalities=["text"], store=False, metadata={}, service_tier="auto",
+        user="u1", safety_identifier="s1", prompt_cache_key="k", cache_salt="tenant-a", top_k=-1, min_p=0,
+        repetition_penalty=1.0, min_tokens=0, stop_token_ids=[], ignore_eos=False, skip_special_tokens=True,
+        best_of=1, seed=2**63 - 1, top_p=5e-324, temperature=2.0,
+    )
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    parts = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}],
-             "max_tokens": 2}
-    assert (await client.post("/v1/chat/completions", json=parts)).status_code == 200
+    echoed = {"model": MODEL, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True,
+                                                                                "include_obfuscation": False},
+              "messages": [{"role": "user", "content": "hi", "name": None},
+                           {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": [], "annotations": []},
+                           {"role": "user", "content": [{"type": "text", "text": "and?"}, {"type": "image_url", "image_url": {
+                               "url": GOOD_PNG, "detail": "high"}}, {"type": "image_url", "image_url": {
+                               "url": GOOD_PNG, "detail": "auto"}}]}]}
+    r = await client.post("/v1/chat/completions", json=echoed)
+    assert r.status_code == 200, r.text
+    assert len(backend.jobs) == 2
+
+
+@pytest.mark.parametrize("header", ["x-ttft-slo-ms", "x-itl-slo-ms"])
+async def test_slo_headers_are_capped_by_max_slo_ms(backend, prompts, header):
+    async for client in open_client(make_app(backend, prompts)):   # default cap: 120 s
+        assert_error(await client.post("/v1/chat/completions", json=text_request(), headers={header: "120000.5"}),
+                     400, "invalid_header", header)
+        ok = await client.post("/v1/chat/completions", json=text_request(max_tokens=1), headers={header: "120000"})
+        assert ok.status_code == 200, ok.text
+    async for client in open_client(make_app(backend, prompts, max_slo_ms=2000)):
+        error = assert_error(await client.post("/v1/chat/completions", json=text_request(), headers={header: "2001"}),
+                             400, "invalid_header", header)
+        assert "2000" in error["message"]
+    assert len(backend.jobs) == 1
 
 
 async def test_fastapi_validation_errors_become_400(backend, prompts):

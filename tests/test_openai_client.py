@@ -20,6 +20,7 @@ from inprocess_backend import InProcessBackend, data_url, demo_model_path, image
 from gateway.app import create_app
 from gateway.chat_backend import AdmissionRefused
 from gateway.settings import GatewaySettings
+from runtime.wire import sampling_from_pb, sampling_to_pb
 
 MODEL = "demo-vlm"
 
@@ -159,3 +160,65 @@ def test_disconnect_while_waiting_for_the_first_token_cancels(server, backend, s
         http.post("/v1/chat/completions", json=body, headers={"x-ttft-slo-ms": "60000"})
     _wait_for(lambda: len(backend.jobs) > seen and backend.jobs[-1].request_id in backend.cancelled)
     _wait_for(lambda: backend.active == 0)
+
+
+# -- issue 15: what the API accepts is what it does (defects 4 and 5, the SLO header cap) ----------
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def _refused(create, **kwargs) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(model=MODEL, **kwargs)
+    return refused.value
+
+
+def test_unknown_and_unhonoured_fields_are_refused_naming_them(client, backend):
+    create = client.chat.completions.create
+    seen = len(backend.jobs)
+    unknown = _refused(create, messages=HELLO, extra_body={"frobnicate": 1})
+    assert (unknown.code, unknown.param) == ("unknown_parameter", "frobnicate")
+    assert "Unrecognized request argument supplied: frobnicate" in unknown.message
+    for kwargs, param in (
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"extra_body": {"top_k": 3}}, "top_k"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": data_url(image_bytes(shape(3).image)), "detail": "low"}}]}]}, "messages.0.content.0.image_url.detail"),
+    ):
+        error = _refused(create, **{"messages": HELLO, **kwargs})
+        assert (error.code, error.param) == ("unsupported_parameter", param), error.message
+        assert param.split(".")[-1] in error.message
+    assert len(backend.jobs) == seen   # refused before any work
+
+
+def test_no_op_values_cache_salt_and_high_detail_are_served(client, server):
+    _, _, trained = server
+    sample = shape(23)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": data_url(image_bytes(sample.image)), "detail": "high"}}, {"type": "text", "text": "what is this ?"}]}]
+    completion = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, n=1, response_format={"type": "text"}, logit_bias={},
+        presence_penalty=0, logprobs=False, extra_body={"cache_salt": "tenant-a"},
+    )
+    if trained:
+        assert completion.choices[0].message.content == sample.answer
+
+
+def test_sampling_edges_work_or_are_refused_before_any_work(client, backend):
+    create = client.chat.completions.create
+    for seed in (2**63, 2**64 - 1, -(2**63) - 1):
+        assert _refused(create, messages=HELLO, seed=seed).param == "seed"
+    greedy = create(model=MODEL, messages=HELLO, temperature=0, max_tokens=6).choices[0].message.content
+    for top_p in (1e-300, 5e-324, 4e-7):   # only the top token is left: the greedy answer, at any temperature
+        edge = create(model=MODEL, messages=HELLO, temperature=2.0, top_p=top_p, seed=2**63 - 1, max_tokens=6)
+        assert edge.choices[0].message.content == greedy
+        sampling = backend.jobs[-1].sampling
+        assert (sampling.top_p, sampling.seed) == (top_p, 2**63 - 1)
+        assert sampling_from_pb(sampling_to_pb(sampling)) == sampling   # the workers sample with the same values
+
+
+def test_slo_headers_above_the_cap_are_refused(client):
+    error = _refused(client.chat.completions.create, messages=HELLO, extra_headers={"x-ttft-slo-ms": "86400000"})
+    assert (error.code, error.param) == ("invalid_header", "x-ttft-slo-ms")

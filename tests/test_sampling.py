@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from runtime.sampling import SamplingParams, sample_token
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams, sample_token
+from runtime.wire import sampling_from_pb, sampling_to_pb
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.1125369292536007e-308, 5e-324, 1e-6])
@@ -18,3 +20,47 @@ def test_real_temperature_samples_reproducibly_with_a_seed():
     draws = [sample_token(logits, params, position=p) for p in range(20)]
     assert draws == [sample_token(logits, params, position=p) for p in range(20)]
     assert len(set(draws)) > 1
+
+
+# -- the whole accepted range works, in process and through the wire (issue 15, defect 4) --------
+TEMPERATURES = [0.0, 5e-324, 1e-300, 9.99e-6, 1e-5, 1.0000001e-5, 0.7, 1.999999999, 2.0]
+TOP_PS = [5e-324, 1e-300, 4.9e-7, 1e-6, 0.123456789, 1 - 1e-16, 1.0]
+SEEDS = [None, 0, -1, 2**53 + 1, SEED_MIN, SEED_MAX]
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("top_p", TOP_PS)
+def test_sampling_params_cross_the_wire_exactly(temperature, top_p):
+    for seed in SEEDS:
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        sent = pb.SamplingParams.FromString(sampling_to_pb(params).SerializeToString())
+        assert sampling_from_pb(sent) == params
+
+
+def test_an_unset_wire_message_is_greedy_with_top_p_one():
+    assert sampling_from_pb(pb.SamplingParams()) == SamplingParams(temperature=0.0, top_p=1.0, seed=None)
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-45, 4.9e-7])
+def test_a_tiny_top_p_keeps_only_the_top_token(top_p):
+    logits = torch.tensor([0.5, 0.4, 0.3, 0.1] * 8)   # the top token has ~4% of the mass
+    logits[13] = 0.9
+    for position in range(20):
+        assert sample_token(logits, SamplingParams(temperature=2.0, top_p=top_p, seed=position), position) == 13
+
+
+def test_top_p_is_compared_at_double_precision():
+    """Two tokens of 0.5 each: top_p just above 0.5 keeps both, exactly 0.5 keeps one."""
+    logits = torch.zeros(2)
+    drawn = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5 + 1e-12, seed=s), 0) for s in range(40)}
+    assert drawn == {0, 1}
+    kept = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(40)}
+    assert len(kept) == 1
+
+
+@pytest.mark.parametrize("field, value", [("seed", SEED_MAX + 1), ("seed", SEED_MIN - 1), ("top_p", 0.0), ("top_p", -0.0),
+                                          ("top_p", 1.0000001), ("temperature", -1e-300), ("temperature", 2.0000001),
+                                          ("temperature", float("nan")), ("top_p", float("nan"))])
+def test_values_sampling_cannot_handle_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

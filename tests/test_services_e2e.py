@@ -31,7 +31,7 @@ from gateway.settings import GatewaySettings
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.sampling import SamplingParams
+from runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from runtime.wire import GRPC_OPTIONS
 
 pytestmark = pytest.mark.timeout(240)
@@ -135,9 +135,10 @@ async def orchestrator(env: Env, placement: str, chunk_tokens: int = 256):
         await o.close()
 
 
-async def run(o: Orchestrator, p: Prompt, deadline_s: float = 60.0) -> tuple[list[int], str, dict]:
+async def run(o: Orchestrator, p: Prompt, deadline_s: float = 60.0,
+              sampling: SamplingParams = SamplingParams()) -> tuple[list[int], str, dict]:
     now = time.monotonic()
-    job = ChatJob(uuid.uuid4().hex, list(p.ids), [PreparedImage(p.png, p.image)], MAX_TOKENS, SamplingParams(),
+    job = ChatJob(uuid.uuid4().hex, list(p.ids), [PreparedImage(p.png, p.image)], MAX_TOKENS, sampling,
                   now + deadline_s, 1000.0, now)
     tokens: list[int] = []
     finish, breakdown = None, {}
@@ -192,3 +193,17 @@ async def test_concurrent_requests_share_decode_batches_and_match_single_request
     for i, ((tokens, finish, _), (one_tokens, one_finish, _)) in enumerate(zip(together, single)):
         assert (tokens, finish) == (one_tokens, one_finish), f"request {i}"
     assert after > 1, f"decode never ran two sequences in one step (max batch before {before}, after {after})"
+
+
+async def test_sampling_edges_reach_the_workers_exactly(env) -> None:
+    """Issue 15, defect 4: a top_p below float32's reach was 1.0 or a 503 on the wire; now every value works."""
+    p = env.prompts[0]
+    sampled = {}
+    for placement in ("disaggregated", "colocated"):
+        async with orchestrator(env, placement) as o:
+            for top_p in (1e-300, 5e-324, 4e-7):   # only the top token is left: the greedy answer at any temperature
+                tokens, finish, _ = await run(o, p, sampling=SamplingParams(temperature=2.0, top_p=top_p, seed=SEED_MAX))
+                assert (tokens, finish) == (p.expected, p.finish), (placement, top_p)
+            sampled[placement] = await run(o, p, sampling=SamplingParams(temperature=1.3, top_p=0.999, seed=SEED_MIN))
+    # the same seed samples the same tokens whichever worker draws them
+    assert sampled["disaggregated"][:2] == sampled["colocated"][:2]

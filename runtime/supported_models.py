@@ -1,0 +1,170 @@
+"""Which checkpoints epd can serve, decided from the config before any weights load.
+
+A checkpoint the split does not support must never start: a Gemma 3 model would
+answer every request with wrong text (its image tokens need bidirectional
+attention the chunked prefill does not build), a LLaVA-NeXT model would fail
+every request (multi-crop image features). ``check_checkpoint`` reads only
+``config.json`` (and the image processor's config) and raises
+``UnsupportedModel`` with one line naming the architecture, its model_type,
+what is wrong and the supported list. Called by every process that loads a
+model or a processor (``VLMAdapter.load``, ``PromptBuilder.from_pretrained``)
+and by ``epd serve`` before it spawns anything.
+
+What the split needs (ARCHITECTURE.md "The split"), per family in ``FAMILIES``:
+
+* the architecture and its ``model_type``;
+* a vision tower whose ``get_image_features(...).pooler_output`` is one tensor
+  per image (``vision_model_types``), one tile per image (no multi-crop / anyres);
+* a decoder of a ``text_model_types`` type: causal self-attention through
+  transformers' attention interface over every layer (no sliding window
+  shorter than the context, no cross-attention, no bidirectional image
+  tokens), and 1-D RoPE with a static frequency table (no M-RoPE sections,
+  no sequence-length-dependent "dynamic"/"longrope" scaling, whose frequencies
+  would change with what else is packed into a step).
+
+A new family adds a ``Family`` entry (and its tests in tests/test_model_split.py);
+``KNOWN_UNSUPPORTED`` only gives a better reason for families we know we lack.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+from transformers.utils import cached_file
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint cannot be served by the E/P/D split; ``str()`` is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    architecture: str
+    model_type: str
+    vision_model_types: frozenset[str]
+    text_model_types: frozenset[str]
+
+    def describe(self) -> str:
+        return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
+                f" + {'/'.join(sorted(self.text_model_types))} decoder)")
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("LLaVA", "LlavaForConditionalGeneration", "llava",
+           frozenset({"clip_vision_model", "siglip_vision_model"}), frozenset({"llama", "mistral", "qwen2"})),
+    Family("InternVL", "InternVLForConditionalGeneration", "internvl",
+           frozenset({"internvl_vision"}), frozenset({"llama", "qwen2"})),
+)
+
+# model_type -> why not (yet): only for a clearer message
+KNOWN_UNSUPPORTED: Mapping[str, str] = {
+    "gemma3": "image tokens need bidirectional attention (token_type_ids mask)",
+    "paligemma": "the image prefix needs bidirectional attention",
+    "llava_next": "multi-crop (anyres) image features",
+    "llava_next_video": "multi-crop (anyres) image features",
+    "llava_onevision": "multi-crop (anyres) image features",
+    "qwen2_vl": "M-RoPE (3-D position ids)",
+    "qwen2_5_vl": "M-RoPE (3-D position ids)",
+    "qwen3_vl": "M-RoPE (3-D position ids)",
+    "mllama": "cross-attention to the image",
+    "idefics2": "perceiver-resampled multi-crop images",
+    "idefics3": "multi-crop image splitting",
+    "pixtral": "variable-size image features need image_sizes",
+}
+
+STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def supported_list() -> str:
+    return "; ".join(f.describe() for f in FAMILIES)
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Raise ``UnsupportedModel`` unless the checkpoint at ``path`` (folder or hub id) can be served.
+
+    Reads the raw config first, so an architecture transformers does not know is refused by
+    name too; then the parsed config (defaults filled in) for the details.
+    """
+    raw, _ = PretrainedConfig.get_config_dict(str(path))
+    family = _family(raw)
+    config = AutoConfig.from_pretrained(str(path))
+    check_config(config, _image_processor_dict(path), family)
+
+
+def check_config(config: PretrainedConfig, image_processor: Mapping[str, Any] | None = None,
+                 family: Family | None = None) -> None:
+    """Raise ``UnsupportedModel`` unless ``config`` (and the image processor's settings) fit a family."""
+    family = family or _family(config.to_dict())
+    problem = _vision_problem(config, family) or _decoder_problem(config, family)
+    if problem is None and image_processor and image_processor.get("crop_to_patches"):
+        problem = "image processor crop_to_patches=true (multi-tile images) is not supported; set it to false"
+    if problem is not None:
+        raise UnsupportedModel(f"{_name(config.to_dict())}: {problem}; supported: {supported_list()}")
+
+
+# -- the checks ------------------------------------------------------------------------
+def _name(raw: Mapping[str, Any]) -> str:
+    architectures = raw.get("architectures") or ["<no architectures>"]
+    return f"unsupported model {','.join(architectures)} (model_type {raw.get('model_type')!r})"
+
+
+def _family(raw: Mapping[str, Any]) -> Family:
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    for family in FAMILIES:
+        if model_type == family.model_type and all(a == family.architecture for a in architectures):
+            return family
+    why = KNOWN_UNSUPPORTED.get(str(model_type), "not a family the E/P/D split supports")
+    raise UnsupportedModel(f"{_name(raw)}: {why}; supported: {supported_list()}")
+
+
+def _vision_problem(config: PretrainedConfig, family: Family) -> str | None:
+    vision = getattr(config, "vision_config", None)
+    vision_type = getattr(vision, "model_type", None)
+    if vision_type not in family.vision_model_types:
+        return f"vision tower {vision_type!r} is not supported"
+    if getattr(config, "image_grid_pinpoints", None):
+        return "multi-crop (anyres image_grid_pinpoints) image features are not supported"
+    return None
+
+
+def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
+    text = config.get_text_config()
+    if text.model_type not in family.text_model_types:
+        return f"decoder {text.model_type!r} is not supported"
+    if getattr(config, "cross_attention_layers", None) or getattr(text, "cross_attention_layers", None):
+        return "cross-attention layers are not supported"
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"attention layer types {sorted(layer_types)} are not supported (only full_attention)"
+    window = getattr(text, "sliding_window", None)
+    if window is not None and getattr(text, "use_sliding_window", True) and window < text.max_position_embeddings:
+        return f"sliding-window attention ({window} < context {text.max_position_embeddings}) is not supported"
+    for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        if not rope:
+            continue
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if "mrope_section" in rope or "mrope" in str(rope_type):
+            return "M-RoPE (mrope_section) position ids are not supported"
+        if rope_type not in STATIC_1D_ROPE_TYPES:
+            return f"rope_type {rope_type!r} is not supported (only {'/'.join(sorted(STATIC_1D_ROPE_TYPES))})"
+    return None
+
+
+def _image_processor_dict(path: str | Path) -> Mapping[str, Any] | None:
+    """The image processor's settings, or ``None`` when the checkpoint has none (a config-only folder)."""
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        found = cached_file(str(path), name, _raise_exceptions_for_missing_entries=False)
+        if found is None:
+            continue
+        settings = json.loads(Path(found).read_text())
+        settings = settings.get(key) if key else settings
+        if isinstance(settings, dict):
+            return settings
+    return None
