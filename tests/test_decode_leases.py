@@ -263,6 +263,17 @@ async def test_scheduler_retires_a_sequence_whose_lease_is_gone_without_writing(
 
 
 # -- the lease cap and the reaper counter ---------------------------------------------------------
+def scrape(servicer) -> str:
+    """The worker metrics endpoint's text for ``servicer`` (its collector, rendered as Prometheus serves it)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from runtime.worker_metrics import _WorkerCollector
+
+    registry = CollectorRegistry()
+    registry.register(_WorkerCollector(lambda: servicer))
+    return generate_latest(registry).decode()
+
+
 async def test_a_far_future_deadline_gets_a_lease_capped_at_max_lease(adapter, prompts):
     pool = KVBlockPool(adapter.kv_layout, KV_BLOCKS, 16)
     servicer = DecodeServicer(adapter, pool, fetcher=GatedFetcher(prompts), lease_margin_s=LEASE_MARGIN_S,
@@ -290,6 +301,7 @@ async def test_a_far_future_deadline_gets_a_lease_capped_at_max_lease(adapter, p
             stats = await stub.Stats(pb.StatsRequest(), timeout=5)
             assert (stats.reservations_active, stats.free_blocks) == (0, KV_BLOCKS), "the cap did not end the lease"
             assert stats.lease_reaped_total == 1 and servicer.local_stats()["lease_reaped_total"] == 1
+            assert "epd:lease_reaped_total 1.0" in scrape(servicer).splitlines()   # the worker metrics endpoint
             # a reservation released by its owner is not counted
             resp = await stub.Reserve(pb.ReserveRequest(request_id="ok", prompt_tokens=len(p.ids),
                                                         max_tokens=MAX_TOKENS, deadline_unix_ms=years), timeout=5)
