@@ -402,8 +402,8 @@ class Orchestrator:
                         # the request's images, not a transfer: no retry or re-prefill would fetch them
                         self._close_stream(stream)
                         raise self._rpc_failure("prefill", prefill, exc, job)
-                    lost = prefill.address if rpc_error and exc.code() == grpc.StatusCode.UNAVAILABLE \
-                        and failure_kind(exc) is None else None
+                    gone = rpc_error and exc.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc) is None
+                    lost = prefill.address if gone else None
                     detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     # leave the decode stream open: the reservation stays held until we decide
                     first_task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -413,7 +413,7 @@ class Orchestrator:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED and not colocated:
                     raise TransferFailed(f"decode: {exc.details()}", None, stream) from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc) is None:  # the worker is gone; the request can move
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc) is None:  # gone: the request can move
                     raise TransferFailed(f"decode worker {decode.address} lost: {exc.details()}", None, stream,
                                          decode_lost=True) from None
                 raise
