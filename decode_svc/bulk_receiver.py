@@ -11,12 +11,24 @@ after every chunk is recorded, so unverified bytes in a reservation's own blocks
 are never read. A pool that is not in host memory (``--device cuda``) is staged
 through one host buffer and landed with ``KVReceiver.land``.
 
+Nothing is allocated or written for a payload before its header passed ``admit``
+(reservation, generation, shape, and a size equal to the shape's, so never more
+than the reservation's own prompt KV), on every path. A refused payload is read
+into a scratch buffer and forgotten, to keep the stream in step — unless it
+declares more than any chunk of that reservation could hold (``payload_bound``):
+then the stream is closed at once instead of reading it.
+
+Idle peers: a connection that delivers no byte for ``idle_timeout_s``
+(``EPD_BULK_IDLE_TIMEOUT_S``) is closed; a chunk it was landing is never counted
+(its index leaves ``landing``; a resend overwrites its unverified bytes).
+
 Ownership while a payload arrives: the event loop runs other callbacks between
 two reads of one chunk, and a ``Release`` or ``Rearm`` may come in between.
-Before every read the receiver checks that the reservation still holds its blocks
-under the same attempt; from the first read where it does not, the rest of the
-payload is read into a scratch buffer and the chunk is rejected. So a late chunk
-never writes into blocks that were freed or re-armed.
+Before every read the receiver checks that the reservation still holds the lease
+(owner token) the chunk was admitted under; from the first read where it does not,
+the rest of the payload is read into a scratch buffer and the chunk is rejected.
+So a late chunk never writes into blocks that were freed or re-armed. The pool
+hands out its views only under that owner token (``KVBlockPool.host_views``).
 
 Wire format, one connection per transfer attempt::
 
@@ -42,7 +54,6 @@ log = logging.getLogger("epd.decode.bulk")
 
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024
-MAX_PAYLOAD_BYTES = 1 << 30
 _SCRATCH = bytearray(1 << 20)   # discarded payload bytes go here; its contents are never read
 
 
@@ -65,7 +76,9 @@ class _Discard:
 
 
 class _Staged:
-    """Pool off the host: the payload goes into one host buffer, then ``KVReceiver.land`` copies it."""
+    """Pool off the host: the payload goes into one host buffer, then ``KVReceiver.land`` copies it
+    (and checks the header again: the reservation may have gone while the bytes arrived).
+    Built only for an admitted header, so the buffer is at most the reservation's prompt KV."""
 
     def __init__(self, server: "BulkKVServer", header: pb.KVChunk, corrupt: bool):
         self.server, self.header, self.corrupt = server, header, corrupt
@@ -97,6 +110,7 @@ class _InPlace:
                  corrupt: bool):
         self.receiver, self.res, self.header, self.corrupt = receiver, res, header, corrupt
         self.attempt = res.attempt                 # the attempt these bytes belong to
+        self.lease = res.lease                     # ...and the owner token its blocks carry
         self.views = [v for v in views if len(v)]
         self.view_index = 0
         self.offset = 0
@@ -106,7 +120,7 @@ class _InPlace:
         self.attempt.landing.add(header.chunk_index)
 
     def _still_owned(self) -> bool:
-        return not self.res.released and self.res.attempt is self.attempt
+        return self.res.holds(self.lease)
 
     def buffer(self) -> memoryview:
         if self.lost is None and not self._still_owned():
@@ -146,6 +160,9 @@ class _BulkProtocol(asyncio.BufferedProtocol):
     def __init__(self, server: "BulkKVServer"):
         self.server = server
         self.transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_bytes_at = self._loop.time()
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._len_buf = bytearray(4)
         self._header_buf = bytearray(MAX_HEADER_BYTES)
         self._state = "len"        # len -> header -> payload -> len ...
@@ -158,8 +175,23 @@ class _BulkProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport):
         self.transport = transport
+        self._last_bytes_at = self._loop.time()
+        self._idle_timer = self._loop.call_later(self.server.idle_timeout_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close a peer that sent nothing for ``idle_timeout_s`` (half-open, hung or idle)."""
+        idle = self._loop.time() - self._last_bytes_at
+        if idle < self.server.idle_timeout_s:
+            self._idle_timer = self._loop.call_later(self.server.idle_timeout_s - idle, self._check_idle)
+            return
+        self._idle_timer = None
+        log.warning("bulk KV stream idle for %.1f s (state %s); closing it", idle, self._state)
+        self.transport.abort()        # connection_lost discards the chunk that was landing
 
     def connection_lost(self, exc) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if isinstance(self._sink, _InPlace):       # stream broke mid-chunk: the chunk never counts
             self._sink.attempt.landing.discard(self._sink.header.chunk_index)
         elif isinstance(self._sink, _Staged):
@@ -173,6 +205,7 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         return memoryview(target)[self._filled: self._want]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._last_bytes_at = self._loop.time()
         try:
             if self._state == "payload":
                 if self._sink.filled(nbytes):
@@ -199,25 +232,11 @@ class _BulkProtocol(asyncio.BufferedProtocol):
             self._state, self._want = "header", n
         else:
             header = pb.KVChunk.FromString(bytes(self._header_buf[: self._want]))
-            size = header.payload_bytes
-            if not 0 < size <= MAX_PAYLOAD_BYTES:
-                raise ValueError(f"payload of {size} bytes")
+            if header.payload_bytes <= 0:
+                raise ValueError(f"payload of {header.payload_bytes} bytes")
             self._last_reservation = header.reservation.reservation_id
-            self._sink = self._sink_for(header)
+            self._sink = self.server.sink_for(header)
             self._state = "payload"
-
-    def _sink_for(self, header: pb.KVChunk) -> _Discard | _Staged | _InPlace:
-        receiver = self.server.receiver
-        fate = self.server.faults.bulk_chunk_fate()
-        if fate == "drop":
-            return _Discard(header.payload_bytes, None)
-        if not receiver.pool.host_resident:
-            return _Staged(self.server, header, corrupt=fate == "corrupt")
-        res, refused = receiver.admit(header, header.payload_bytes)
-        if refused is not None:
-            return _Discard(header.payload_bytes, refused)
-        views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end)
-        return _InPlace(receiver, res, header, views, corrupt=fate == "corrupt")
 
     def _count(self, result: ChunkResult | None) -> None:
         if result is None:
@@ -246,13 +265,38 @@ class BulkKVServer:
     never share bytes and steady state allocates nothing.
     """
 
-    def __init__(self, receiver: KVReceiver, faults: FaultInjector, on_stream_end=lambda res: None):
+    def __init__(self, receiver: KVReceiver, faults: FaultInjector, on_stream_end=lambda res: None,
+                 idle_timeout_s: float = 30.0):
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.receiver = receiver
         self.faults = faults
         self.on_stream_end = on_stream_end
+        self.idle_timeout_s = idle_timeout_s
         self._free_buffers: list[bytearray] = []
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
+
+    def sink_for(self, header: pb.KVChunk) -> _Discard | _Staged | _InPlace:
+        """Where one payload goes, decided from its header alone; ``admit`` runs first on every
+        path, so nothing is allocated or written for a header the reservation does not accept.
+        Raises ``ValueError`` (the stream is closed) for a size no chunk of it could have."""
+        receiver = self.receiver
+        size = header.payload_bytes
+        res, refused = receiver.admit(header, size)
+        if refused is not None:
+            bound = receiver.payload_bound(header)
+            if size > bound:
+                receiver.count(refused)
+                raise ValueError(f"payload of {size} bytes declared, at most {bound} possible: {refused.detail}")
+            return _Discard(size, refused)
+        fate = self.faults.bulk_chunk_fate()
+        if fate == "drop":
+            return _Discard(size, None)
+        if not receiver.pool.host_resident:
+            return _Staged(self, header, corrupt=fate == "corrupt")
+        views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end, owner=res.attempt.owner)
+        return _InPlace(receiver, res, header, views, corrupt=fate == "corrupt")
 
     def take_buffer(self, size: int) -> bytearray:
         """A staging buffer for one chunk; buffers are reused across connections, never shared."""

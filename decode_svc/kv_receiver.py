@@ -103,8 +103,15 @@ class KVReceiver:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=torch.uint8)
         kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
-        self.pool.write(res.blocks, chunk.token_start, kv)
+        self.pool.write(res.blocks, chunk.token_start, kv, owner=res.attempt.owner)   # fenced by generation
         return self.accept(res, chunk, len(payload))
+
+    def payload_bound(self, chunk: pb.KVChunk) -> int:
+        """The most payload bytes any chunk for ``chunk``'s reservation can carry: its prompt's
+        KV when the reservation is known, else the whole pool. A larger declared size is never read."""
+        res = self.table.get(chunk.reservation.reservation_id)
+        tokens = res.prompt_tokens if res is not None else self.pool.num_blocks * self.pool.block_size
+        return tokens * self.pool.layout.bytes_per_token
 
     def chunk_nbytes(self, chunk: pb.KVChunk) -> int:
         return (chunk.token_end - chunk.token_start) * self.pool.layout.bytes_per_token

@@ -9,8 +9,17 @@ Lifecycle of a reservation (one owner: the decode worker's ``ReservationTable``)
 
 Every retirement path (finished, failed transfer, cancel, client disconnect,
 deadline, lease expiry) ends in ``ReservationTable.release``, which is idempotent:
-the first call frees, later calls are no-ops. A lease (deadline + margin) bounds
-how long a reservation that was never inserted may hold blocks.
+the first call frees, later calls are no-ops. A lease (deadline + margin, the
+deadline capped at ``max_lease_s`` from now whatever the caller sent) bounds how
+long a reservation that was never inserted may hold blocks; ``reap_expired``
+releases those and counts them (``reaped_total``: a healthy run never needs it).
+
+Fencing: each attempt (generation) tags the reservation's blocks in the pool with
+its own owner token (``Lease.owner``); a re-arm moves the blocks to a new token,
+a release clears it. Whoever writes into the blocks (chunk landing, the decode
+scheduler's steps) names the token it was given, and the pool refuses a write
+under a token that is no longer the blocks' — so no stale attempt, released
+reservation or expired lease can write into blocks that changed owner.
 """
 
 from __future__ import annotations
@@ -26,11 +35,22 @@ from runtime.kv_pool import KVBlockPool
 from .transfer_state import TransferState, advance
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What a writer into a reservation's blocks holds: valid while the pool's blocks carry ``owner``."""
+
+    reservation_id: str
+    generation: int
+    owner: int               # the pool owner token of this generation's blocks
+
+
 @dataclass(slots=True)
 class TransferAttempt:
     """Chunk bookkeeping for one generation of a reservation."""
 
     generation: int
+    owner: int                                      # pool owner token of the blocks for this generation
+    claimed: bool = False                           # a Generate is attached to this generation
     state: TransferState = TransferState.BOOTSTRAPPING
     received: dict[int, tuple[int, int]] = field(default_factory=dict)  # chunk index -> token range
     landing: set[int] = field(default_factory=set)   # chunk indices being received in place (bulk path)
@@ -65,8 +85,8 @@ class Reservation:
     model_fingerprint: str
     lease_expires_at: float      # monotonic
     alloc_ms: float
+    attempt: TransferAttempt     # the current generation; replaced by ``rearm``
     created_at: float = field(default_factory=time.monotonic)
-    attempt: TransferAttempt = field(default_factory=lambda: TransferAttempt(generation=1))
     inserted: bool = False
     released: bool = False
 
@@ -75,18 +95,30 @@ class Reservation:
         return self.attempt.generation
 
     @property
+    def lease(self) -> Lease:
+        return Lease(self.reservation_id, self.attempt.generation, self.attempt.owner)
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still this reservation's live generation (not released, not re-armed)."""
+        return not self.released and self.attempt.owner == lease.owner
+
+    @property
     def pending_chunks(self) -> int:
         """Chunks landed but not yet handed to the running batch."""
         return 0 if self.inserted or self.released else len(self.attempt.received)
 
 
 class ReservationTable:
-    def __init__(self, pool: KVBlockPool, lease_margin_s: float = 10.0):
+    def __init__(self, pool: KVBlockPool, lease_margin_s: float = 10.0, max_lease_s: float = 300.0):
+        if max_lease_s <= 0:
+            raise ValueError(f"max_lease_s must be > 0, got {max_lease_s}")
         self.pool = pool
         self.lease_margin_s = lease_margin_s
+        self.max_lease_s = max_lease_s
         self._by_id: dict[str, Reservation] = {}
         self._ids = itertools.count(1)
         self.released_total = 0
+        self.reaped_total = 0        # released by the lease reaper: a leak somebody else should have freed
 
     # -- check, then commit -----------------------------------------------------
     def can_reserve(self, prompt_tokens: int, max_tokens: int) -> bool:
@@ -97,11 +129,16 @@ class ReservationTable:
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
                 token_digest: str, model_fingerprint: str) -> Reservation | None:
-        """Allocate destination blocks now, or return ``None`` (nothing taken)."""
+        """Allocate destination blocks now, or return ``None`` (nothing taken).
+
+        The lease ends at ``min(deadline_s, now + max_lease_s) + lease_margin_s``: a caller
+        cannot hold blocks longer than the cap by sending a far-future deadline."""
         started = time.perf_counter()
-        blocks = self.pool.allocate(prompt_tokens + max_tokens)
+        owner = self.pool.new_token()
+        blocks = self.pool.allocate(prompt_tokens + max_tokens, owner)
         if blocks is None:
             return None
+        lease_end = min(deadline_s, time.monotonic() + self.max_lease_s)
         res = Reservation(
             request_id=request_id,
             reservation_id=f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}",
@@ -110,8 +147,9 @@ class ReservationTable:
             max_tokens=max_tokens,
             token_digest=token_digest,
             model_fingerprint=model_fingerprint,
-            lease_expires_at=deadline_s + self.lease_margin_s,
+            lease_expires_at=lease_end + self.lease_margin_s,
             alloc_ms=(time.perf_counter() - started) * 1000,
+            attempt=TransferAttempt(generation=1, owner=owner),
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -126,7 +164,9 @@ class ReservationTable:
         if res is None or res.inserted or res.released:
             return None
         res.attempt.done.set()  # wake anyone waiting on the old attempt
-        res.attempt = TransferAttempt(generation=res.generation + 1)
+        owner = self.pool.new_token()
+        self.pool.retag(res.blocks, res.attempt.owner, owner)   # the old generation's writes are fenced
+        res.attempt = TransferAttempt(generation=res.generation + 1, owner=owner)
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)
         return res
 
@@ -141,13 +181,25 @@ class ReservationTable:
         res.attempt.received.clear()
         res.attempt.landing.clear()
         res.attempt.done.set()
-        self.pool.free(res.blocks)
+        self.pool.free(res.blocks, owner=res.attempt.owner)
         self.released_total += 1
         return True
+
+    def release_lease(self, lease: Lease, reason: str = "") -> bool:
+        """``release`` only if ``lease`` is still the reservation's live generation: a holder of a
+        stale lease never frees blocks that a later generation (or another request) holds."""
+        res = self._by_id.get(lease.reservation_id)
+        return res is not None and res.holds(lease) and self.release(lease.reservation_id, reason)
 
     def expired(self, now: float | None = None) -> list[Reservation]:
         now = time.monotonic() if now is None else now
         return [r for r in self._by_id.values() if not r.inserted and r.lease_expires_at < now]
+
+    def reap_expired(self, now: float | None = None) -> list[Reservation]:
+        """Release every reservation whose lease has ended (never an inserted one); counted."""
+        reaped = [r for r in self.expired(now) if self.release(r.reservation_id, "lease expired")]
+        self.reaped_total += len(reaped)
+        return reaped
 
     # -- gauges -----------------------------------------------------------------
     @property

@@ -15,6 +15,12 @@ boundaries; tokens are pushed to each sequence's queue after every step.
 Threading: the forward runs in a worker thread; all bookkeeping happens on the
 event loop between steps, so no lock is needed. Retiring a sequence calls the
 ``on_retire`` callback exactly once, which releases its reservation.
+
+Leases: every sequence carries the ``Lease`` of the reservation generation it was
+started for. Joining the batch and every step (on the event loop, right before the
+forward is dispatched) check that the pool's blocks still carry that lease's owner
+token; a sequence whose lease is gone (released, re-armed or expired under it) is
+retired with ``"aborted"`` and never written — whatever path forgot to stop it.
 """
 
 from __future__ import annotations
@@ -33,20 +39,22 @@ from runtime.sampling import SamplingParams, sample_token
 from runtime.background_loop import start_loop, stop_loop
 from runtime.timing_log import TimingLog
 
+from .reservations import Lease
+
 log = logging.getLogger("epd.decode")
 
 
 @dataclass(slots=True)
 class StepEvent:
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "aborted" (lease lost) | "error"
     detail: str = ""
 
 
 @dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
 class Sequence:
     request_id: str
-    reservation_id: str
+    lease: Lease                       # the reservation generation whose blocks this sequence writes
     blocks: list[int]
     prompt_len: int
     max_tokens: int
@@ -60,6 +68,10 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     first_step_ms: float | None = None
+
+    @property
+    def reservation_id(self) -> str:
+        return self.lease.reservation_id
 
     @property
     def next_position(self) -> int:
@@ -87,12 +99,16 @@ class DecodeScheduler:
     # -- admission into the batch ----------------------------------------------
     def insert(self, seq: Sequence, first_token: int) -> None:
         """A verified handoff joins the batch; its first token (from prefill) is emitted now."""
+        if self._lease_lost(seq):
+            return
         if self._accept(seq, first_token):
             self.running.append(seq)
         self._wake.set()
 
     def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor, chunk_tokens: int | None = None) -> None:
         """Prefill here, at most ``chunk_tokens`` (default: the step's token budget) per step."""
+        if self._lease_lost(seq):
+            return
         seq.prompt_embeds = prompt_embeds
         seq.prefill_chunk = chunk_tokens
         self.prefilling.append(seq)
@@ -138,7 +154,21 @@ class DecodeScheduler:
         for seq in [s for s in (*self.running, *self.prefilling) if s.cancelled]:
             self._retire(seq, "cancelled", "cancelled")
 
+    def _lease_lost(self, seq: Sequence) -> bool:
+        """Retire ``seq`` ("aborted") if its blocks no longer carry its lease's owner token."""
+        if self.pool.owns(seq.blocks, seq.lease.owner):
+            return False
+        log.error("sequence %s lost its reservation %s (generation %d); retired unwritten",
+                  seq.request_id, seq.reservation_id, seq.lease.generation)
+        self._retire(seq, "aborted", "reservation released while the sequence held it; nothing was written")
+        return True
+
     async def _step(self) -> None:
+        # the fence: no await between this check and dispatching the forward below
+        for seq in [*self.running, *self.prefilling]:
+            self._lease_lost(seq)
+        if not self.busy:
+            return
         decoding = self.running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
         budget = self.prefill_token_budget

@@ -27,13 +27,14 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
                                           device=settings.device)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,
                               prefill_chunk_tokens=settings.prefill_chunk_tokens, lease_margin_s=settings.lease_margin_s,
-                              faults=FaultInjector(settings.faults))
+                              max_lease_s=settings.max_lease_s, faults=FaultInjector(settings.faults))
     server = WorkerServer("decode", settings, "Decode")
     pb_grpc.add_DecodeServicer_to_server(servicer, server.server)
     servicer.start()
     servicer.address = await server.start()
     if settings.kv_transport == "bulk":
-        bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.stream_ended)
+        bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.stream_ended,
+                            idle_timeout_s=settings.bulk_idle_timeout_s)
         port = await bulk.start(settings.host, settings.bulk_port)
         servicer.bulk_address = f"{servicer.address.rsplit(':', 1)[0]}:{port}"
         servicer.on_stop(bulk.stop)

@@ -2,12 +2,24 @@
 
 Who frees what: the reservation table owns blocks. A reservation is released
 (exactly once, ``ReservationTable.release`` is idempotent) by
-  - the scheduler's retire callback, once the sequence was inserted;
+  - the scheduler's retire callback, once the sequence was inserted (only while
+    the sequence's lease is still the reservation's: ``release_lease``);
   - ``Generate`` itself when it ends before insertion (deadline, cancel, error),
     except on a FAILED transfer, where the reservation is kept so the gateway can
     retry into it (``Rearm``) while its lease lasts;
-  - ``Release`` from the gateway;
-  - the lease reaper, for reservations nobody claimed in time.
+  - ``Release`` from the gateway (for an inserted sequence: it is cancelled, and
+    its retirement frees);
+  - the lease reaper, for reservations nobody claimed in time (counted:
+    ``lease_reaped_total``). A lease never outlasts ``max_lease_s`` (+ margin).
+
+A ``Generate`` holds the ``Lease`` of the generation it was started for. After
+every await before insertion (the KV transfer; a colocated prompt's embedding
+fetch and ``embed``) it checks the reservation still holds that lease, else it
+ends with ABORTED and inserts nothing; the scheduler and the pool check the lease
+again before any write (see ``scheduler.py``, ``runtime/kv_pool.py``).
+
+An embedding-fetch failure is this request's, not this worker's: FAILED_PRECONDITION
+with ``epd-failure: embedding_fetch`` (``runtime/rpc_failure.py``), never UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -26,11 +38,12 @@ from runtime.errors import AdapterInputError
 from runtime.faults import FaultInjector
 from runtime.kv_pool import KVBlockPool
 from runtime.model_adapter import VLMAdapter
+from runtime.rpc_failure import FailureKind, abort_with
 from runtime.timing_log import TimingLog
 from runtime.wire import sampling_from_pb, token_digest
 
 from .kv_receiver import ChunkOutcome, KVReceiver
-from .reservations import Reservation, ReservationTable
+from .reservations import Lease, Reservation, ReservationTable
 from .scheduler import DecodeScheduler, Sequence
 from .transfer_state import TransferState
 
@@ -43,16 +56,21 @@ def unix_ms_to_monotonic(deadline_unix_ms: int, default_s: float = 600.0) -> flo
     return time.monotonic() + (deadline_unix_ms / 1000.0 - time.time())
 
 
+# a sequence retired for one of these reasons ends its Generate with this status
+_ABORT_CODES = {"cancelled": grpc.StatusCode.CANCELLED, "aborted": grpc.StatusCode.ABORTED,
+                "error": grpc.StatusCode.INTERNAL}
+
+
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, fetcher: EmbeddingFetcher,
                  max_batch: int = 64, prefill_chunk_tokens: int = 256, lease_margin_s: float = 10.0,
-                 faults: FaultInjector | None = None):
+                 max_lease_s: float = 300.0, faults: FaultInjector | None = None):
         self.adapter = adapter
         self.pool = pool
         self.fetcher = fetcher
         self.faults = faults or FaultInjector("")
         self.timings = TimingLog()
-        self.table = ReservationTable(pool, lease_margin_s)
+        self.table = ReservationTable(pool, lease_margin_s, max_lease_s)
         self.receiver = KVReceiver(self.table, pool)
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings)
@@ -86,14 +104,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         await wait_until_idle(lambda: self.table.active or self.scheduler.busy, timeout_s)
 
     def _on_retire(self, seq: Sequence, reason: str) -> None:
-        self.table.release(seq.reservation_id, reason)
+        self.table.release_lease(seq.lease, reason)
 
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            for res in self.table.expired():
-                log.warning("lease expired for %s (%s); releasing", res.request_id, res.reservation_id)
-                self.table.release(res.reservation_id, "lease expired")
+            for res in self.table.reap_expired():
+                log.warning("lease expired for %s (%s); released", res.request_id, res.reservation_id)
 
     # -- RPCs ---------------------------------------------------------------------
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -171,16 +188,21 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "reservation already generating")
         if request.reservation.generation != res.generation:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale reservation generation")
-        deadline = unix_ms_to_monotonic(request.deadline_unix_ms)
+        if res.attempt.claimed:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "another Generate is attached to this reservation")
+        res.attempt.claimed = True
+        lease = res.lease
+        # nothing waits past the lease: the reaper frees the blocks then anyway
+        deadline = min(unix_ms_to_monotonic(request.deadline_unix_ms), res.lease_expires_at)
         arrived = time.monotonic()
-        seq = Sequence(request.request_id, res.reservation_id, res.blocks, res.prompt_tokens,
+        seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
                        min(request.max_tokens or res.max_tokens, res.max_tokens), sampling_from_pb(request.sampling))
         keep_reservation = False
         try:
             if request.colocated:
-                await self._start_colocated(request, res, seq, deadline, context)
+                await self._start_colocated(request, res, lease, seq, deadline, context)
             else:
-                failure = await self._await_transfer(res, deadline)
+                failure = await self._await_transfer(res, lease, deadline)
                 if failure is not None:
                     code, detail, keep_reservation = failure
                     if keep_reservation:
@@ -195,9 +217,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     ev = await asyncio.wait_for(seq.events.get(), timeout)
                 except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
-                if ev.finish_reason in ("cancelled", "error"):
-                    code = grpc.StatusCode.CANCELLED if ev.finish_reason == "cancelled" else grpc.StatusCode.INTERNAL
-                    await context.abort(code, ev.detail or ev.finish_reason)
+                if ev.finish_reason in _ABORT_CODES:
+                    await context.abort(_ABORT_CODES[ev.finish_reason], ev.detail or ev.finish_reason)
                 out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "")
                 if first:
                     first = False
@@ -209,9 +230,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if seq in self.scheduler.running or seq in self.scheduler.prefilling:
                 self.scheduler.cancel(seq)           # retire callback releases
             elif not seq.finished and not keep_reservation:
-                self.table.release(res.reservation_id, "generate ended before insertion")
+                self.table.release_lease(lease, "generate ended before insertion")
 
-    async def _await_transfer(self, res: Reservation, deadline: float) -> tuple[grpc.StatusCode, str, bool] | None:
+    async def _await_transfer(self, res: Reservation, lease: Lease,
+                              deadline: float) -> tuple[grpc.StatusCode, str, bool] | None:
         """Wait for the transfer's verdict: ``None`` when verified, else (status, detail, keep the reservation).
 
         The caller aborts with the status; it must know whether to keep the
@@ -231,20 +253,30 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if attempt.state != TransferState.SUCCESS:
             # keep the blocks: the gateway may retry into them (Rearm) while the lease lasts
             return grpc.StatusCode.ABORTED, f"KV transfer failed: {attempt.detail}", True
+        if not res.holds(lease):
+            return grpc.StatusCode.ABORTED, "reservation released while waiting for the KV transfer", False
         return None
 
-    async def _start_colocated(self, request: pb.GenerateRequest, res: Reservation, seq: Sequence, deadline: float, context) -> None:
+    async def _start_colocated(self, request: pb.GenerateRequest, res: Reservation, lease: Lease, seq: Sequence,
+                               deadline: float, context) -> None:
+        """Fetch and embed the prompt, then hand it to the scheduler, only if ``lease`` survived both awaits."""
         token_ids = list(request.token_ids)
         keys = [im.cache_key for im in request.images]
         if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys) != res.token_digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
         try:
             embeddings = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
+        except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/rpc_failure.py
+            await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
+                             f"embedding fetch failed: {exc}")
+        if not res.holds(lease):
+            await context.abort(grpc.StatusCode.ABORTED, "reservation released while fetching embeddings")
+        try:
             embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
-        except EmbeddingFetchError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except AdapterInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not res.holds(lease):
+            await context.abort(grpc.StatusCode.ABORTED, "reservation released while embedding the prompt")
         res.inserted = True
         self.scheduler.insert_colocated(seq, embeds, chunk_tokens=request.chunk_tokens or None)
 
@@ -265,7 +297,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
                 "free_blocks": self.pool.free_blocks, "running_seqs": len(self.scheduler.running),
-                "in_flight": self.table.active,
+                "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
@@ -279,6 +311,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
             last_sample=self.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
-            max_batch=self.scheduler.max_observed_batch,
+            max_batch=self.scheduler.max_observed_batch, lease_reaped_total=self.table.reaped_total,
         )
 

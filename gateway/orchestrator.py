@@ -43,6 +43,7 @@ from runtime.placement_policy import (
     admit,
     on_transfer_failure,
 )
+from runtime.rpc_failure import FailureKind, failure_kind
 from runtime.service_times import ServiceTimes
 from runtime.wire import sampling_to_pb, token_digest
 
@@ -238,11 +239,18 @@ class Orchestrator:
         return max(0.001, job.ttft_deadline_s - time.monotonic())
 
     def _rpc_failure(self, role: str, h: WorkerHandle, exc: grpc.aio.AioRpcError, job: ChatJob) -> Exception:
+        """Map a failed RPC to the request's error. Only a worker that is gone (UNAVAILABLE with no
+        ``epd-failure`` kind, see ``runtime/rpc_failure.py``) is marked unhealthy: a failure of one
+        request's inputs (its embeddings could not be fetched) fails that request alone."""
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= job.ttft_deadline_s:
             return DeadlineExceeded(f"{role} did not answer before the deadline")
+        kind = failure_kind(exc)
+        if kind == FailureKind.EMBEDDING_FETCH:
+            return BackendFailure(f"{role} worker {h.address} could not fetch the request's image embeddings: "
+                                  f"{exc.details()}", 503)
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return BackendFailure(f"{role} rejected the request: {exc.details()}", 502)
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE,):
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and kind is None:
             self.registry.mark_unhealthy(role, h.address)
         return BackendFailure(f"{role} worker {h.address} failed: {exc.code().name}: {exc.details()}", 503)
 
@@ -392,7 +400,13 @@ class Orchestrator:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task in done and prefill_task.exception() is not None:
                     exc = prefill_task.exception()
-                    lost = prefill.address if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                    rpc_error = isinstance(exc, grpc.aio.AioRpcError)
+                    if rpc_error and failure_kind(exc) == FailureKind.EMBEDDING_FETCH:
+                        # the request's images, not a transfer: no retry or re-prefill would fetch them
+                        self._close_stream(stream)
+                        raise self._rpc_failure("prefill", prefill, exc, job)
+                    gone = rpc_error and exc.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc) is None
+                    lost = prefill.address if gone else None
                     detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     # leave the decode stream open: the reservation stays held until we decide
                     first_task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -402,7 +416,7 @@ class Orchestrator:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ABORTED and not colocated:
                     raise TransferFailed(f"decode: {exc.details()}", None, stream) from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:  # before the first token: the request can move
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc) is None:  # gone: the request can move
                     raise TransferFailed(f"decode worker {decode.address} lost: {exc.details()}", None, stream,
                                          decode_lost=True) from None
                 raise

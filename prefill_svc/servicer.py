@@ -20,6 +20,7 @@ from runtime.grpc_server import wait_until_idle
 from runtime.errors import AdapterInputError
 from runtime.faults import FaultInjector
 from runtime.model_adapter import VLMAdapter
+from runtime.rpc_failure import FailureKind, abort_with
 from runtime.wire import GRPC_OPTIONS, sampling_from_pb, token_digest
 
 from .kv_sender import KVSender, TransferBroken
@@ -71,8 +72,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             try:
                 embeddings = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
                 embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
-            except EmbeddingFetchError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except EmbeddingFetchError as exc:   # the request's images, not this worker (runtime/rpc_failure.py)
+                await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"embedding fetch failed: {exc}")
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults,

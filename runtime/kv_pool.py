@@ -9,13 +9,21 @@ flat slot ``blocks[p // block_size] * block_size + p % block_size``. A KV chunk
 on the wire is ``[layers, 2, tokens, kv_heads, head_dim]``: exactly the pool's
 per-slot layout, so landing a chunk is one indexed copy into the pool.
 
-Ownership: ``allocate`` hands blocks to exactly one caller; ``free`` returns them.
+Ownership: ``allocate`` hands blocks to exactly one caller and tags every one of
+them with that caller's **owner token** (a number never reused in the pool's life);
+``free`` returns them and clears the tag. Every write names its token: ``write``,
+``host_views`` and ``check_owner`` (the decode scheduler's check before each step)
+raise ``StaleBlocksError`` and touch nothing when a block no longer carries it, so
+a holder whose blocks were freed, and perhaps handed to someone else meanwhile,
+can never write into them. ``retag`` moves an allocation to a new token (a new
+transfer generation into the same blocks: the old generation's writes are fenced).
 Freeing a block twice raises (double free is a bookkeeping bug, never ignored).
 Capacity is counted in blocks; nothing is allocated per request after start-up.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +46,13 @@ class KVLayout:
         return f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
 
 
+FREE = 0   # the owner token of a free block; issued tokens start at 1
+
+
+class StaleBlocksError(RuntimeError):
+    """A write, view or free named blocks that no longer belong to the caller's owner token."""
+
+
 class KVBlockPool:
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = 16, device: str | torch.device = "cpu"):
         if num_blocks < 1 or block_size < 1:
@@ -50,7 +65,8 @@ class KVBlockPool:
         )
         self._flat = self.kv.view(layout.layers, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._is_free = [True] * num_blocks
+        self._owner = [FREE] * num_blocks      # owner token per block
+        self._tokens = itertools.count(FREE + 1)
 
     @classmethod
     def from_memory_budget(cls, layout: KVLayout, budget_bytes: int, block_size: int = 16, device="cpu") -> "KVBlockPool":
@@ -71,24 +87,59 @@ class KVBlockPool:
         """Side-effect free probe."""
         return self.blocks_for(tokens) <= len(self._free)
 
-    def allocate(self, tokens: int) -> list[int] | None:
-        """Blocks for ``tokens`` positions, or ``None`` when they do not fit (nothing taken)."""
+    def new_token(self) -> int:
+        """A fresh owner token, never issued before by this pool."""
+        return next(self._tokens)
+
+    def allocate(self, tokens: int, owner: int | None = None) -> list[int] | None:
+        """Blocks for ``tokens`` positions tagged with ``owner`` (a fresh token when ``None``),
+        or ``None`` when they do not fit (nothing taken)."""
         need = self.blocks_for(tokens)
         if need > len(self._free):
             return None
+        owner = self.new_token() if owner is None else owner
+        if owner == FREE:
+            raise ValueError("owner token 0 means free; take one from new_token()")
         blocks = [self._free.pop() for _ in range(need)]
         for b in blocks:
-            self._is_free[b] = False
+            self._owner[b] = owner
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        """Return blocks. Pushed last-first, so the next ``allocate`` pops them back in their
-        old order: a freed sequence's adjacent blocks stay adjacent for the next owner."""
+    def free(self, blocks: list[int], owner: int | None = None) -> None:
+        """Return blocks (checked against ``owner`` first when given: nothing is freed on a
+        mismatch). Pushed last-first, so the next ``allocate`` pops them back in their old
+        order: a freed sequence's adjacent blocks stay adjacent for the next owner."""
+        if owner is not None:
+            self.check_owner(blocks, owner, "free")
         for b in reversed(blocks):
-            if self._is_free[b]:
+            if self._owner[b] == FREE:
                 raise RuntimeError(f"KV block {b} freed twice")
-            self._is_free[b] = True
+            self._owner[b] = FREE
             self._free.append(b)
+
+    # -- ownership fence ----------------------------------------------------------
+    def owner_of(self, block: int) -> int:
+        """The block's owner token (``FREE`` when free)."""
+        return self._owner[block]
+
+    def owns(self, blocks: list[int], owner: int) -> bool:
+        """Whether every block in ``blocks`` still carries ``owner``. Per block, never per token."""
+        tags = self._owner
+        return owner != FREE and all(tags[b] == owner for b in blocks)
+
+    def check_owner(self, blocks: list[int], owner: int, what: str = "write") -> None:
+        """Raise ``StaleBlocksError`` unless every block still carries ``owner``."""
+        if not self.owns(blocks, owner):
+            lost = next((b for b in blocks if self._owner[b] != owner), None)
+            raise StaleBlocksError(f"{what} refused: KV block {lost} no longer belongs to owner {owner}")
+
+    def retag(self, blocks: list[int], old: int, new: int) -> None:
+        """Move an allocation from token ``old`` to ``new`` (checked): writes under ``old`` are fenced."""
+        if new == FREE:
+            raise ValueError("cannot retag blocks as free; use free()")
+        self.check_owner(blocks, old, "retag")
+        for b in blocks:
+            self._owner[b] = new
 
     # -- addressing -------------------------------------------------------------
     def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
@@ -122,8 +173,10 @@ class KVBlockPool:
             pos += length
         return out
 
-    def write(self, blocks: list[int], start: int, chunk: torch.Tensor) -> None:
-        """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``."""
+    def write(self, blocks: list[int], start: int, chunk: torch.Tensor, *, owner: int) -> None:
+        """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``,
+        only while ``blocks`` belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
+        self.check_owner(blocks, owner)
         chunk = chunk.to(self.kv.device, self.kv.dtype)
         for pos, slot, length in self.runs(blocks, start, start + chunk.shape[2]):
             self._flat[:, :, slot: slot + length] = chunk[:, :, pos - start: pos - start + length]
@@ -133,16 +186,19 @@ class KVBlockPool:
         """Whether the pool lives in host memory, so sockets can write into it directly."""
         return self.kv.device.type == "cpu"
 
-    def host_views(self, blocks: list[int], start: int, end: int) -> list[memoryview] | None:
+    def host_views(self, blocks: list[int], start: int, end: int, *, owner: int) -> list[memoryview] | None:
         """Writable byte views of positions ``start..end``, in wire order, or ``None`` off the CPU.
 
         Concatenated, the views are exactly a wire chunk ``[layers, 2, n, kv_heads, head_dim]``:
         for each layer, K then V, each run of adjacent slots. A socket can ``recv_into`` them
         one after another, so the bytes of a chunk land in the pool with no staging copy.
-        The views alias the pool: the caller must stop writing once the blocks change owner.
+        Handed out only while ``blocks`` belong to ``owner`` (``StaleBlocksError`` otherwise).
+        The views alias the pool: the caller must stop writing once the blocks change owner
+        (check ``owns`` before each write into them, as the bulk receiver does before each read).
         """
         if not self.host_resident:
             return None
+        self.check_owner(blocks, owner, "host view")
         runs = self.runs(blocks, start, end)
         as_bytes = self._flat.view(torch.uint8)
         return [

@@ -43,8 +43,10 @@ class WorkerSettings(BaseSettings):
     kv_block_size: int = Field(default=16, ge=1)
     decode_max_batch: int = Field(default=64, ge=1)
     lease_margin_s: float = Field(default=10.0, ge=0)
+    max_lease_s: float = Field(default=300.0, gt=0)        # cap on any lease, whatever deadline a caller sends
     kv_transport: Literal["bulk", "grpc"] = "bulk"   # bulk: raw TCP beside gRPC for KV bytes
     bulk_port: int = Field(default=0, ge=0, le=65535)   # 0: any free port (advertised in Reserve)
+    bulk_idle_timeout_s: float = Field(default=30.0, gt=0)   # a bulk peer silent this long is closed
     # fault injection (off by default; see runtime/faults.py)
     faults: str = ""
 

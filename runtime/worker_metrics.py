@@ -1,7 +1,8 @@
 """Prometheus metrics of a worker process, served on ``EPD_METRICS_PORT`` when set.
 
-Gauges are read from the live servicer at scrape time (a custom collector), so
-they can never drift from the state they describe.
+Gauges and counters are read from the live servicer at scrape time (a custom
+collector), so they can never drift from the state they describe. Counters:
+``epd:worker_kv_chunks_total{outcome}`` and, on decode, ``epd:lease_reaped_total``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class _WorkerCollector:
                 g = GaugeMetricFamily(f"epd:worker_{name}", help_)
                 g.add_metric([], float(stats[name]))
                 yield g
+        if "lease_reaped_total" in stats:
+            c = CounterMetricFamily("epd:lease_reaped", "Reservations the lease reaper released (nobody freed them in time)")
+            c.add_metric([], float(stats["lease_reaped_total"]))
+            yield c
         chunks = {k.removeprefix("kv_chunks_"): v for k, v in stats.items() if k.startswith("kv_chunks_")}
         if chunks:
             c = CounterMetricFamily("epd:worker_kv_chunks", "KV chunks received, by outcome", labels=["outcome"])

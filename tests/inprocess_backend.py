@@ -112,7 +112,8 @@ class InProcessBackend:
         if self.deadline_exceeded or time.monotonic() > job.ttft_deadline_s:
             raise DeadlineExceeded("the first token cannot arrive before the deadline")
         with self._model_lock:
-            blocks = self.pool.allocate(len(job.token_ids) + job.max_tokens)
+            owner = self.pool.new_token()
+            blocks = self.pool.allocate(len(job.token_ids) + job.max_tokens, owner)
         if blocks is None:
             raise AdmissionRefused(503, "KV pool full", 1.0)
         self.active += 1
@@ -123,7 +124,7 @@ class InProcessBackend:
             queued_s = time.monotonic()
             embeddings = await self._run(self.adapter.encode, [im.image for im in job.images]) if job.images else []
             encoded_s = time.monotonic()
-            token = await self._run(self._prefill, job, embeddings, blocks)
+            token = await self._run(self._prefill, job, embeddings, blocks, owner)
             prefilled_s = time.monotonic()
             breakdown = {
                 "queue_ms": (queued_s - called_s) * 1e3,
@@ -163,11 +164,11 @@ class InProcessBackend:
 
         return await asyncio.to_thread(locked)
 
-    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int]) -> int:
+    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int], owner: int) -> int:
         first = None
         for item in self.adapter.prefill(job.token_ids, embeddings, self.prefill_chunk, job.sampling):
             if isinstance(item, KVChunk):
-                self.pool.write(blocks, item.start, item.kv)
+                self.pool.write(blocks, item.start, item.kv, owner=owner)
             elif isinstance(item, FirstToken):
                 first = item.token_id
         if first is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kv_pool import KVBlockPool, KVLayout
+from runtime.kv_pool import FREE, KVBlockPool, KVLayout, StaleBlocksError
 
 LAYOUT = KVLayout(layers=3, kv_heads=2, head_dim=4, dtype=torch.float32)
 
@@ -147,11 +147,12 @@ def test_slots_outside_the_block_table(start, end):
 
 def test_write_read_roundtrip_non_contiguous_and_unaligned():
     p = pool(num_blocks=8, block_size=4)
-    p.allocate(4)                      # take block 0 so the table below is not 0, 1, 2
+    t = p.new_token()
+    p.allocate(8 * 4, t)               # every block is t's, so the table below need not be 0, 1, 2
     blocks = [6, 1, 3]
     first, second = chunk(5, seed=1), chunk(6, seed=2)
-    p.write(blocks, 0, first)          # positions 0..4 (crosses a block boundary)
-    p.write(blocks, 5, second)         # positions 5..10 (unaligned start)
+    p.write(blocks, 0, first, owner=t)          # positions 0..4 (crosses a block boundary)
+    p.write(blocks, 5, second, owner=t)         # positions 5..10 (unaligned start)
     torch.testing.assert_close(p.read(blocks, 0, 5), first, rtol=0, atol=0)
     torch.testing.assert_close(p.read(blocks, 5, 11), second, rtol=0, atol=0)
     torch.testing.assert_close(p.read(blocks, 3, 7), torch.cat([first[:, :, 3:], second[:, :, :2]], dim=2), rtol=0, atol=0)
@@ -162,10 +163,11 @@ def test_write_read_roundtrip_non_contiguous_and_unaligned():
 def test_writes_stay_inside_their_own_blocks():
     p = pool(num_blocks=6, block_size=4)
     a, b = p.allocate(8), p.allocate(8)
+    ta, tb = p.owner_of(a[0]), p.owner_of(b[0])
     data_b = chunk(8, seed=3)
-    p.write(b, 0, data_b)
-    p.write(a, 0, chunk(8, seed=4))
-    p.write(a, 2, chunk(3, seed=5))    # overwrite inside a only
+    p.write(b, 0, data_b, owner=tb)
+    p.write(a, 0, chunk(8, seed=4), owner=ta)
+    p.write(a, 2, chunk(3, seed=5), owner=ta)    # overwrite inside a only
     torch.testing.assert_close(p.read(b, 0, 8), data_b, rtol=0, atol=0)
     untouched = [blk for blk in range(6) if blk not in a + b]
     assert torch.count_nonzero(p.kv[:, :, untouched]) == 0
@@ -173,9 +175,9 @@ def test_writes_stay_inside_their_own_blocks():
 
 def test_write_casts_to_the_pool_dtype():
     p = KVBlockPool(KVLayout(3, 2, 4, torch.bfloat16), num_blocks=2, block_size=4)
-    blocks = p.allocate(4)
+    blocks = p.allocate(4, owner=7)
     data = chunk(3, seed=6)  # float32
-    p.write(blocks, 1, data)
+    p.write(blocks, 1, data, owner=7)
     out = p.read(blocks, 1, 4)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, data.to(torch.bfloat16), rtol=0, atol=0)
@@ -183,15 +185,15 @@ def test_write_casts_to_the_pool_dtype():
 
 def test_write_past_the_block_table_raises():
     p = pool(num_blocks=4, block_size=4)
-    blocks = p.allocate(4)
+    blocks = p.allocate(4, owner=7)
     with pytest.raises(IndexError):
-        p.write(blocks, 2, chunk(3))
+        p.write(blocks, 2, chunk(3), owner=7)
 
 
 def test_read_is_a_copy():
     p = pool()
-    blocks = p.allocate(4)
-    p.write(blocks, 0, chunk(4, seed=7))
+    blocks = p.allocate(4, owner=7)
+    p.write(blocks, 0, chunk(4, seed=7), owner=7)
     out = p.read(blocks, 0, 4)
     out.zero_()
     assert torch.count_nonzero(p.read(blocks, 0, 4)) > 0
@@ -208,13 +210,76 @@ def test_a_freed_sequence_hands_its_blocks_back_in_order():
 
 def test_host_views_are_the_wire_chunk_in_place():
     p = pool(num_blocks=8)
-    blocks = p.allocate(4 * 5)
+    blocks = p.allocate(4 * 5, owner=7)
     blocks[1], blocks[3] = blocks[3], blocks[1]   # a fragmented block table
     c = chunk(17, seed=3)
     wire = c.contiguous().view(torch.uint8).numpy().tobytes()
     offset = 0
-    for view in p.host_views(blocks, 2, 19):
+    for view in p.host_views(blocks, 2, 19, owner=7):
         view[:] = wire[offset: offset + len(view)]
         offset += len(view)
     assert offset == len(wire)
     assert torch.equal(p.read(blocks, 2, 19), c)
+
+
+# -- the ownership fence (owner tokens) ----------------------------------------------------------
+def test_every_allocation_gets_its_own_token_and_free_clears_it():
+    p = pool(num_blocks=4, block_size=4)
+    a, b = p.allocate(4), p.allocate(4)
+    assert p.owner_of(a[0]) != p.owner_of(b[0]) and FREE not in (p.owner_of(a[0]), p.owner_of(b[0]))
+    t = p.owner_of(a[0])
+    assert p.owns(a, t) and not p.owns(b, t)
+    p.free(a)
+    assert p.owner_of(a[0]) == FREE and not p.owns(a, t)
+    again = p.allocate(4)
+    assert again == a and not p.owns(again, t), "a reused block never carries the old token"
+    assert p.new_token() != p.new_token()
+
+
+def test_write_with_a_stale_token_raises_and_writes_nothing():
+    """The fence: the first holder's blocks were freed and handed to a second holder; a late
+    write under the first token is refused, and the second holder's bytes are untouched."""
+    p = pool(num_blocks=4, block_size=4)
+    first = p.new_token()
+    blocks = p.allocate(8, first)
+    p.free(blocks, owner=first)
+    second = p.new_token()
+    assert p.allocate(8, second) == blocks               # the very same blocks, new owner
+    theirs = chunk(8, seed=11)
+    p.write(blocks, 0, theirs, owner=second)
+    snapshot = p.kv.clone()
+    with pytest.raises(StaleBlocksError, match="no longer belongs"):
+        p.write(blocks, 0, chunk(8, seed=12) * 1e3, owner=first)
+    with pytest.raises(StaleBlocksError):
+        p.write(blocks, 5, chunk(1, seed=13), owner=first)   # one block, partly
+    with pytest.raises(StaleBlocksError):
+        p.host_views(blocks, 0, 8, owner=first)
+    assert torch.equal(p.kv, snapshot), "a refused write must not touch the pool"
+    torch.testing.assert_close(p.read(blocks, 0, 8), theirs, rtol=0, atol=0)
+
+
+def test_write_into_free_blocks_is_refused():
+    p = pool(num_blocks=4, block_size=4)
+    t = p.new_token()
+    with pytest.raises(StaleBlocksError):
+        p.write([0, 1], 0, chunk(8), owner=t)
+    with pytest.raises(StaleBlocksError):
+        p.write([0], 0, chunk(4), owner=FREE)          # the free tag is nobody's token
+    assert torch.count_nonzero(p.kv) == 0
+
+
+def test_retag_fences_the_old_token_and_free_checks_the_owner():
+    p = pool(num_blocks=4, block_size=4)
+    old, new = p.new_token(), p.new_token()
+    blocks = p.allocate(8, old)
+    p.retag(blocks, old, new)
+    assert p.owns(blocks, new) and not p.owns(blocks, old)
+    with pytest.raises(StaleBlocksError):
+        p.write(blocks, 0, chunk(8), owner=old)
+    with pytest.raises(StaleBlocksError):
+        p.retag(blocks, old, p.new_token())
+    with pytest.raises(StaleBlocksError):
+        p.free(blocks, owner=old)                     # a stale holder cannot free the new owner's blocks
+    assert p.free_blocks == 2
+    p.free(blocks, owner=new)
+    assert p.free_blocks == 4

@@ -73,7 +73,7 @@ def prefill_into(adapter, pool, blocks, ids, embeddings, chunk_size, sampling=GR
     layout = adapter.kv_layout
     for c in chunks:
         assert c.kv.shape == (layout.layers, 2, c.end - c.start, layout.kv_heads, layout.head_dim)
-        pool.write(blocks, c.start, c.kv)
+        pool.write(blocks, c.start, c.kv, owner=pool.owner_of(blocks[0]))   # the caller allocated them
     return [events[-1].token_id]
 
 

@@ -1,0 +1,135 @@
+"""An embedding that cannot be fetched fails its own request, never the worker that tried.
+
+Real worker processes (two encoders, one prefill, one decode, the demo model) and
+the gateway's Orchestrator. The encoder that encodes the request's image is killed
+the moment its Encode reply reaches the gateway (the one seam: a wrapper around the
+gateway's stub for that encoder that kills the process after the real reply), so
+the worker that then fetches the embedding by key — decode when colocated, prefill
+when disaggregated — finds that encoder gone. That request must end in a clean 503
+that names the embedding fetch; the fetching worker must stay healthy in the
+gateway's registry and serve the next request correctly, and nothing stays held.
+
+The registry does not poll on its own here (``poll_s`` is huge): health changes only
+through the orchestrator's own verdicts, so "still healthy" means the gateway did
+not blame the worker, not that a poll happened to revive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import time
+import uuid
+
+import pytest
+from cluster import DEMO_MODEL, Cluster
+from transformers import AutoProcessor
+
+from gateway.chat_backend import BackendFailure, ChatJob, PreparedImage
+from gateway.orchestrator import Orchestrator
+from gateway.settings import GatewaySettings
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.demo_model.shapes import draw_shape
+from runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return AutoProcessor.from_pretrained(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("fetch-failure"))
+    try:
+        cluster.start("encoder")
+        cluster.start("prefill")
+        cluster.start("decode")
+        cluster.wait_healthy()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class KillAfterEncode:
+    """The gateway's stub for one encoder: the real Encode, then that encoder process is killed."""
+
+    def __init__(self, stub, proc):
+        self._stub, self._proc = stub, proc
+
+    async def Encode(self, request, timeout=None):
+        reply = await self._stub.Encode(request, timeout=timeout)
+        self._proc.kill()
+        await asyncio.to_thread(self._proc.wait)
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+def make_job(processor, seed: int) -> tuple[ChatJob, str]:
+    sample = draw_shape(random.Random(seed))
+    buf = io.BytesIO()
+    sample.image.save(buf, "PNG")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]}]
+    ids = processor(images=[sample.image], text=processor.apply_chat_template(msgs, add_generation_prompt=True))["input_ids"][0]
+    now = time.monotonic()
+    job = ChatJob(uuid.uuid4().hex, list(ids), [PreparedImage(buf.getvalue(), sample.image)], 8, SamplingParams(),
+                  now + 30.0, 1000.0, now)
+    return job, sample.answer
+
+
+async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
+    tokens = [t async for ev in orch.generate(job) for t in ev.token_ids]
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_stays_healthy(stack, processor, placement):
+    doomed = stack.start("encoder")
+    stack.wait_healthy()
+    stable = [w for w in stack.by_role("encoder") if w is not doomed and w.proc.poll() is None]
+    prefill, decode = stack.by_role("prefill")[0], stack.by_role("decode")[0]
+    settings = GatewaySettings(encoder_addrs=[doomed.address, stable[0].address], prefill_addrs=[prefill.address],
+                               decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8)
+    orch = Orchestrator(settings)
+    orch.registry.poll_s = 3600.0         # no background polls: only the orchestrator's verdicts change health
+    await orch.start()
+    try:
+        registry = orch.registry
+        assert all(h.healthy for role in ("encoder", "prefill", "decode") for h in registry.workers[role].values())
+        handle = registry.get("encoder", doomed.address)
+        handle.stub = KillAfterEncode(handle.stub, doomed.proc)   # ties pick the first encoder: the doomed one
+
+        job, answer = make_job(processor, seed=41)
+        with pytest.raises(BackendFailure) as info:
+            await run(orch, processor, job)
+        assert doomed.proc.poll() is not None, "the encoder should have been killed after encoding"
+        assert info.value.status == 503
+        assert "could not fetch the request's image embeddings" in str(info.value)
+        fetcher = "decode" if placement == "colocated" else "prefill"
+        assert registry.get(fetcher, (decode if fetcher == "decode" else prefill).address).healthy, \
+            f"the {fetcher} worker was blamed for an embedding that could not be fetched"
+        assert registry.get("decode", decode.address).healthy and registry.get("prefill", prefill.address).healthy
+
+        await registry.refresh()              # the gateway learns that the encoder is gone
+        assert not registry.get("encoder", doomed.address).healthy
+        job, answer = make_job(processor, seed=41)
+        assert await run(orch, processor, job) == answer       # the same workers serve the next request
+
+        end = time.monotonic() + 5
+        while True:                            # releases are asynchronous: poll briefly
+            await registry.refresh()
+            d = registry.get("decode", decode.address).stats
+            held = (d.reservations_active, d.pending_chunks, d.running_seqs, d.total_blocks - d.free_blocks)
+            if held == (0, 0, 0, 0) or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.1)
+        assert held == (0, 0, 0, 0)
+        assert d.lease_reaped_total == 0, "the failed request's blocks were left to the lease reaper"
+    finally:
+        await orch.close()
+        stack.workers.remove(doomed)
