@@ -279,6 +279,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
             last_sample=self.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
-            max_batch=self.scheduler.max_observed_batch,
+            max_batch=self.scheduler.max_observed_batch, bulk_address=self.bulk_address,
         )
 
