@@ -7,7 +7,10 @@ path, a TCP address (``decode_bulk_address``). Neither is trusted:
 - the bulk address dialled is the one that decode worker reports in its own ``Stats``
   (asked over the authenticated channel, cached per decode address). The request's value
   only says "use the bulk path" and must agree; on disagreement the decode worker is asked
-  again once (it may have restarted on a new bulk port), then the request is refused.
+  again once (it may have restarted on a new bulk port), then the request is refused. A
+  decode worker that reports no bulk path (``--kv-transport grpc``, still starting it, or
+  an older version during a rolling upgrade) gets the KV over ``PushKV`` on the same
+  discovered channel instead.
 
 So a prefill worker never opens a socket, or sends the bulk preamble, to an address
 that only a request vouched for. Owns the decode channels; ``close()`` ends them.
@@ -52,6 +55,8 @@ class DecodeLinks:
         if self._bulk.get(decode_address) != requested_bulk:
             self._bulk[decode_address] = await self._reported_bulk(stub, decode_address, timeout_s)
         bulk = self._bulk[decode_address]
+        if not bulk:
+            return stub, ""           # no bulk path there: PushKV to the discovered address
         if bulk != requested_bulk:
             raise UnknownPeerError(
                 f"bulk address {requested_bulk!r} is not the one decode worker {decode_address} reports "
