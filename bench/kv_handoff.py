@@ -215,13 +215,14 @@ async def bulk_push(stub, msgs, n_tokens: int, fingerprint: str) -> float:
     from prefill_svc.kv_sender import KVSender
     from proto.epd.v1 import epd_pb2 as pb
     from runtime.faults import FaultInjector
+    from runtime.internal_auth import token_from_env
 
     res = await stub.Reserve(pb.ReserveRequest(request_id="bench", prompt_tokens=n_tokens, max_tokens=1,
                                                deadline_unix_ms=int((time.time() + 600) * 1000),
                                                token_digest="bench-digest", model_fingerprint=fingerprint), timeout=30)
     if not res.bulk_address:
         raise RuntimeError("decode worker has no bulk KV path (--kv-transport bulk)")
-    sender = KVSender(stub, 600, FaultInjector(""), bulk_address=res.bulk_address)
+    sender = KVSender(stub, 600, FaultInjector(""), bulk_address=res.bulk_address, bulk_token=token_from_env())
     for m in msgs:
         header = pb.KVChunk()
         header.CopyFrom(m)
@@ -314,10 +315,11 @@ async def run_grpc_side(address: str, args, results: dict, socket_port: int, raw
 
     from proto.epd.v1 import epd_pb2 as pb
     from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+    from runtime.internal_auth import open_channel, token_from_env
     from runtime.kv_pool import KVLayout
     from runtime.wire import GRPC_OPTIONS
 
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch, \
+    async with open_channel(address, token_from_env()) as ch, \
             grpc.aio.insecure_channel(raw_address, options=GRPC_OPTIONS) as raw_ch:
         stub = pb_grpc.DecodeStub(ch)
         stats = await stub.Stats(pb.StatsRequest(), timeout=10)

@@ -123,13 +123,18 @@ def start_stack(args: argparse.Namespace, placement: str) -> Stack:
     all_cores = ",".join(str(c) for c in args.core_list)
     workers = [("encoder", None), *topology(placement, args.core_list)]
     kv = ["--kv-memory-mb", str(args.kv_memory_mb)]
-    for i, (role, core) in enumerate(workers):
-        port = free_port()
-        extra = kv if role == "decode" else []
+    ports = [free_port() for _ in workers]
+    for (role, _), port in zip(workers, ports):
+        addrs[role].append(f"127.0.0.1:{port}")
+    # workers dial only the peers they are told about (runtime/peers.py)
+    peers = ["--encoder-addrs", ",".join(addrs["encoder"])]
+    if addrs["decode"]:
+        peers += ["--decode-addrs", ",".join(addrs["decode"])]
+    for i, ((role, core), port) in enumerate(zip(workers, ports)):
+        extra = [*(kv if role == "decode" else []), *(peers if role != "encoder" else [])]
         cores = all_cores if core is None else str(core)
         procs.append(Proc(f"{role}@{cores}", worker_cmd(role, args.model, port, cores, extra),
                           logs / f"{i}-{role}-{port}.log", env).start())
-        addrs[role].append(f"127.0.0.1:{port}")
     stack = Stack(placement, procs, "")
     try:
         end = time.monotonic() + 300

@@ -32,9 +32,15 @@ hands out its views only under that owner token (``KVBlockPool.host_views``).
 
 Wire format, one connection per transfer attempt::
 
+    stream := preamble frame* end
+    preamble := "EPDB" | u8 version | HMAC-SHA256(EPD_INTERNAL_TOKEN)  (runtime/internal_auth.py)
     frame  := u32 header_len | header (KVChunk, payload empty, payload_bytes = N) | N payload bytes
     end    := u32 0
     reply  := u32 len | PushKVResponse           (sent after `end`, then the server closes)
+
+The preamble is read, and checked in constant time, before any other byte: a stream
+that does not start with it, or proves another token, is closed with nothing written
+and counted in ``BulkKVServer.refused_streams``.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ import asyncio
 import logging
 import struct
 
+from pydantic import SecretStr
+
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.faults import FaultInjector
+from runtime.internal_auth import BULK_MAGIC, BULK_PREAMBLE_BYTES, BULK_VERSION, bulk_preamble_ok
 from runtime.wire import checksum_digest, payload_hasher
 
 from .kv_receiver import ChunkOutcome, ChunkResult, KVReceiver
@@ -55,6 +64,36 @@ log = logging.getLogger("epd.decode.bulk")
 _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024
 _SCRATCH = bytearray(1 << 20)   # discarded payload bytes go here; its contents are never read
+
+
+class HandshakeRefused(Exception):
+    """The stream did not open with this worker's preamble."""
+
+
+class _Handshake:
+    """The preamble every stream opens with; a wrong byte is refused as soon as it arrives."""
+
+    _HEAD = BULK_MAGIC + bytes([BULK_VERSION])
+
+    def __init__(self, token: SecretStr | None):
+        self.token = token
+        self.buf = bytearray(BULK_PREAMBLE_BYTES)
+        self.got = 0
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.buf)[self.got:]
+
+    def filled(self, n: int) -> bool:
+        """True once the whole preamble is in and proves the token; raises ``HandshakeRefused``."""
+        self.got += n
+        head = min(self.got, len(self._HEAD))
+        if self.buf[:head] != self._HEAD[:head]:
+            raise HandshakeRefused("not an epd bulk KV stream (bad magic or version)")
+        if self.got < len(self.buf):
+            return False
+        if not bulk_preamble_ok(bytes(self.buf), self.token):
+            raise HandshakeRefused("wrong internal token")
+        return True
 
 
 class _Discard:
@@ -165,7 +204,8 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._len_buf = bytearray(4)
         self._header_buf = bytearray(MAX_HEADER_BYTES)
-        self._state = "len"        # len -> header -> payload -> len ...
+        self._handshake = _Handshake(server.token)
+        self._state = "preamble"   # preamble -> len -> header -> payload -> len ...
         self._filled = 0
         self._want = 4
         self._sink: _Discard | _Staged | _InPlace | None = None
@@ -199,6 +239,8 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         self._sink = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._state == "preamble":
+            return self._handshake.buffer()
         if self._state == "payload":
             return self._sink.buffer()
         target = self._len_buf if self._state == "len" else self._header_buf
@@ -206,6 +248,9 @@ class _BulkProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_bytes_at = self._loop.time()
+        if self._state == "preamble":
+            self._check_handshake(nbytes)
+            return
         try:
             if self._state == "payload":
                 if self._sink.filled(nbytes):
@@ -220,6 +265,15 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         except Exception as exc:  # malformed stream: close it; the attempt never completes
             log.warning("bulk KV stream closed: %s", exc)
             self.transport.close()
+
+    def _check_handshake(self, nbytes: int) -> None:
+        try:
+            if self._handshake.filled(nbytes):
+                self._state, self._want = "len", 4
+        except HandshakeRefused as exc:
+            self._state = "refused"
+            self.server.refuse_stream(exc)
+            self.transport.abort()      # nothing was, or will be, written to this peer
 
     def _advance(self) -> None:
         if self._state == "len":
@@ -266,13 +320,15 @@ class BulkKVServer:
     """
 
     def __init__(self, receiver: KVReceiver, faults: FaultInjector, on_stream_end=lambda res: None,
-                 idle_timeout_s: float = 30.0):
+                 idle_timeout_s: float = 30.0, token: SecretStr | None = None):
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.receiver = receiver
         self.faults = faults
         self.on_stream_end = on_stream_end
         self.idle_timeout_s = idle_timeout_s
+        self.token = token           # what every stream's preamble must prove (None: any preamble)
+        self.refused_streams = 0
         self._free_buffers: list[bytearray] = []
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
@@ -297,6 +353,11 @@ class BulkKVServer:
             return _Staged(self, header, corrupt=fate == "corrupt")
         views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end, owner=res.attempt.owner)
         return _InPlace(receiver, res, header, views, corrupt=fate == "corrupt")
+
+    def refuse_stream(self, why: Exception) -> None:
+        self.refused_streams += 1
+        if self.refused_streams & (self.refused_streams - 1) == 0:   # 1st, 2nd, 4th...: a flood cannot flood the log
+            log.warning("bulk KV stream refused: %s (%d refused so far)", why, self.refused_streams)
 
     def take_buffer(self, size: int) -> bytearray:
         """A staging buffer for one chunk; buffers are reused across connections, never shared."""

@@ -34,7 +34,7 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]
     servicer.address = await server.start()
     if settings.kv_transport == "bulk":
         bulk = BulkKVServer(servicer.receiver, servicer.faults, servicer.stream_ended,
-                            idle_timeout_s=settings.bulk_idle_timeout_s)
+                            idle_timeout_s=settings.bulk_idle_timeout_s, token=settings.internal_token)
         port = await bulk.start(settings.host, settings.bulk_port)
         servicer.bulk_address = f"{servicer.address.rsplit(':', 1)[0]}:{port}"
         servicer.on_stop(bulk.stop)

@@ -84,7 +84,7 @@ class Orchestrator:
         self.cost_model = CostModel(prior=CPU_PRIOR, min_points=4)
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
         self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe,
-                                                   on_refresh=self._publish_queue_depths)
+                                                   on_refresh=self._publish_queue_depths, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.pressure = FirstTokenPressure(overrun_quantile=settings.admission_quantile)
         self.seen_images = SeenImages()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from runtime.internal_auth import validate_token
 
 MiB = 1 << 20
 
@@ -18,7 +20,8 @@ NameList = Annotated[list[str], NoDecode]   # comma-separated in the environment
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", env_ignore_empty=True)
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", env_ignore_empty=True,
+                                      hide_input_in_errors=True)   # errors never echo EPD_INTERNAL_TOKEN
 
     # model and listening address
     model: str = "models/demo-vlm"                  # processor + config are read from here; never the weights
@@ -52,6 +55,13 @@ class GatewaySettings(BaseSettings):
     placement: Literal["conditional", "colocated", "disaggregated"] = "conditional"
     prefill_chunk_tokens: int = Field(default=256, ge=1)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # sent on every worker RPC (runtime/internal_auth.py); the workers' EPD_INTERNAL_TOKEN
+    internal_token: SecretStr | None = None
+
+    @field_validator("internal_token", mode="before")
+    @classmethod
+    def _token(cls, v: object) -> SecretStr | None:
+        return validate_token(v)
 
     # security (gateway.auth, gateway.media_fetch; docs/deploy.md "Security")
     api_key: NameList = Field(default_factory=list, repr=False)   # EPD_API_KEY=k1,k2: /v1/* then needs one

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import redis.asyncio as aioredis
+from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.discovery import list_workers
-from runtime.wire import GRPC_OPTIONS
+from runtime.internal_auth import open_channel
 
 log = logging.getLogger("epd.gateway.registry")
 
@@ -68,9 +69,10 @@ class WorkerHandle:
 class WorkerRegistry:
     def __init__(self, static: dict[str, list[str]], redis_url: str | None, *, poll_s: float = 0.5,
                  on_sample: Callable[[str, pb.TimingSample], None] | None = None,
-                 on_refresh: Callable[[], None] | None = None):
+                 on_refresh: Callable[[], None] | None = None, token: SecretStr | None = None):
         self.workers: dict[str, dict[str, WorkerHandle]] = {role: {} for role in ROLES}
         self._static = static
+        self._token = token   # EPD_INTERNAL_TOKEN: every channel sends it on every call
         self._redis = aioredis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
         self.poll_s = poll_s
         self.on_sample = on_sample or (lambda role, s: None)
@@ -83,7 +85,7 @@ class WorkerRegistry:
 
     def _add(self, role: str, address: str, static: bool = False) -> WorkerHandle:
         if address not in self.workers[role]:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = open_channel(address, self._token)
             self.workers[role][address] = WorkerHandle(role, address, channel, _STUBS[role](channel), static=static)
         return self.workers[role][address]
 

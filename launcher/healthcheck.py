@@ -11,6 +11,9 @@ TARGET is one of:
     http://HOST:PORT/health      the gateway's health endpoint; HTTP 200 is healthy
     https://HOST:PORT/health     the same over TLS
 
+The gRPC health service needs no internal token (``EPD_INTERNAL_TOKEN`` guards every
+other worker RPC; probes cannot send metadata), so this command never needs one either.
+
 Exit status: 0 healthy, 1 not healthy (not serving, wrong status, unreachable,
 timed out), 2 usage error. One line goes to stdout when healthy and to stderr
 otherwise, which is what ``docker inspect`` shows as the check's output.

@@ -103,8 +103,13 @@ def main(argv: list[str]) -> int:
         env.pop("EPD_REDIS_URL", None)
     exe = [sys.executable, "-m", "launcher.cli"]
 
-    def spawn(role: str, extra: list[str]) -> Child:
-        port = _free_port(args.host)
+    # every worker's port first: each child gets the peer lists it may dial (runtime/peers.py)
+    plan = [(role, _free_port(args.host)) for role, count in (("encoder", args.encoders), ("prefill", args.prefills),
+                                                              ("decode", args.decodes)) for _ in range(count)]
+    for role in ("encoder", "prefill", "decode"):
+        env[f"EPD_{role.upper()}_ADDRS"] = ",".join(f"{args.host}:{port}" for r, port in plan if r == role)
+
+    def spawn(role: str, port: int, extra: list[str]) -> Child:
         cmd = [*exe, role, "--model", args.model, "--host", args.host, "--port", str(port), *extra]
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_bind_to_parent)
         child = Child(role, f"{args.host}:{port}", proc)
@@ -112,9 +117,8 @@ def main(argv: list[str]) -> int:
         return child
 
     try:
-        for role, count in (("encoder", args.encoders), ("prefill", args.prefills), ("decode", args.decodes)):
-            for _ in range(count):
-                spawn(role, ["--device", args.device])
+        for role, port in plan:
+            spawn(role, port, ["--device", args.device])
         deadline = time.monotonic() + 300
         for child in children:
             while not _serving(child.address):

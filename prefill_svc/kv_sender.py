@@ -16,10 +16,12 @@ import struct
 import time
 
 import grpc
+from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.faults import FaultInjector
+from runtime.internal_auth import bulk_preamble
 from runtime.timing_log import TimingLog
 
 
@@ -33,10 +35,11 @@ _LEN = struct.Struct("<I")
 
 class KVSender:
     def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector, bulk_address: str = "",
-                 timings: TimingLog | None = None):
+                 timings: TimingLog | None = None, bulk_token: SecretStr | None = None):
         self._stub = stub
         self._timings = timings   # link-time samples (bytes, ms) per chunk, bulk path only
         self._bulk_address = bulk_address
+        self._bulk_token = bulk_token   # proves this stream to the receiver (the handshake preamble)
         self._timeout_s = timeout_s
         self._faults = faults
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -127,6 +130,7 @@ class KVSender:
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, (host, int(port)))
+            await loop.sock_sendall(sock, bulk_preamble(self._bulk_token))
             async for chunk, payload in self._chunks():
                 header = chunk.SerializeToString()
                 started = time.perf_counter()

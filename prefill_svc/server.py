@@ -25,7 +25,8 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, PrefillServicer
     scheduler = PrefillScheduler(adapter, scratch, model_fingerprint=adapter.model_fingerprint,
                                  max_batch=settings.prefill_max_batch)
     servicer = PrefillServicer(adapter, scheduler, EmbeddingFetcher.for_settings(settings),
-                               default_chunk_tokens=settings.prefill_chunk_tokens, faults=FaultInjector(settings.faults))
+                               default_chunk_tokens=settings.prefill_chunk_tokens, faults=FaultInjector(settings.faults),
+                               token=settings.internal_token)
     server = WorkerServer("prefill", settings, "Prefill")
     pb_grpc.add_PrefillServicer_to_server(servicer, server.server)
     scheduler.start()

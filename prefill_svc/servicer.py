@@ -4,6 +4,10 @@ The response returns only after decode has acknowledged every chunk (its
 transfer state is SUCCESS) or the transfer failed; the gateway decides what to
 do next from the time the request has left (retry into the held reservation,
 another decode worker, re-prefill elsewhere, or fail).
+
+Peers named in the request (the decode worker, its bulk address, the images' encoders)
+are checked against discovery before any work (``decode_links.py``, ``runtime/peers.py``):
+an unknown one is refused with FAILED_PRECONDITION and never dialled.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import time
 
 import grpc
+from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
@@ -20,16 +25,18 @@ from runtime.grpc_server import wait_until_idle
 from runtime.errors import AdapterInputError
 from runtime.faults import FaultInjector
 from runtime.model_adapter import VLMAdapter
+from runtime.peers import UnknownPeerError
 from runtime.rpc_failure import FailureKind, abort_with
-from runtime.wire import GRPC_OPTIONS, sampling_from_pb, token_digest
+from runtime.wire import sampling_from_pb, token_digest
 
+from .decode_links import DecodeLinks
 from .kv_sender import KVSender, TransferBroken
 from .scheduler import PrefillJob, PrefillScheduler
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, adapter: VLMAdapter, scheduler: PrefillScheduler, fetcher: EmbeddingFetcher,
-                 *, default_chunk_tokens: int, faults: FaultInjector):
+                 *, default_chunk_tokens: int, faults: FaultInjector, token: SecretStr | None = None):
         self.adapter = adapter
         self.scheduler = scheduler
         self.fetcher = fetcher
@@ -38,12 +45,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.address = ""
         self.serving = True
         self.in_flight = 0
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _decode_stub(self, address: str) -> pb_grpc.DecodeStub:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        return pb_grpc.DecodeStub(self._channels[address])
+        self._token = token
+        self.decodes = DecodeLinks(fetcher.peers, token)   # borrows the fetcher's peer directory
 
     async def drain(self, timeout_s: float) -> None:
         self.serving = False
@@ -51,9 +54,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def close(self) -> None:
         await self.scheduler.stop()
-        await self.fetcher.close()
-        for ch in self._channels.values():
-            await ch.close()
+        await self.decodes.close()
+        await self.fetcher.close()     # also closes the peer directory the decode links borrow
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         if not self.serving:
@@ -66,6 +68,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         digest = token_digest(token_ids, keys)
         if request.token_digest and request.token_digest != digest:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token digest does not match token ids and image keys")
+        try:
+            decode_stub, bulk_address = await self.decodes.resolve(request.decode_address, request.decode_bulk_address,
+                                                                   timeout_s)
+            await self.fetcher.require_encoders(request.images)
+        except UnknownPeerError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TransferBroken as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         self.in_flight += 1
         job = None
         try:
@@ -77,8 +87,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                  f"embedding fetch failed: {exc}")
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            sender = KVSender(self._decode_stub(request.decode_address), timeout_s - (time.monotonic() - started), self.faults,
-                              bulk_address=request.decode_bulk_address, timings=self.scheduler.timings)
+            sender = KVSender(decode_stub, timeout_s - (time.monotonic() - started), self.faults,
+                              bulk_address=bulk_address, bulk_token=self._token, timings=self.scheduler.timings)
             job = PrefillJob(
                 request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
                 chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, reservation=request.reservation,

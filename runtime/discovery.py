@@ -2,7 +2,8 @@
 
 A worker writes ``epd:workers:<role>:<address>`` with a TTL a few heartbeats
 long and refreshes it; a dead worker's key expires by itself. The gateway lists
-the keys to find replicas (``docker compose up --scale decode=3``).
+the keys to find replicas (``docker compose up --scale decode=3``); workers list them
+too, to check the peers a request names (``runtime/peers.py``).
 Redis being briefly unreachable is tolerated: the worker keeps retrying.
 """
 

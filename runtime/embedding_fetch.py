@@ -4,6 +4,10 @@ Order: the shared encoder cache (Redis, when configured) -> the encoder named in
 the image ref, asked to return the tensor (it hits its own cache or re-encodes
 from the bytes that travel with the ref). A missing payload is therefore a
 transparent re-encode, never an error. The gateway only ever passes keys and refs.
+
+An encoder named in a ref is dialled only when discovery lists it (``runtime/peers.py``);
+every named address is checked before anything else, so a request naming an unknown
+encoder fails the same way whether or not its embeddings happen to be cached.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from collections.abc import Sequence
 
 import grpc
 import torch
+from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 
-from .wire import GRPC_OPTIONS, tensor_from_pb
+from .internal_auth import open_channel
+from .peers import PeerDirectory, PeerRole, UnknownPeerError
+from .wire import tensor_from_pb
 
 log = logging.getLogger("epd.embeddings")
 
@@ -26,9 +33,18 @@ class EmbeddingFetchError(RuntimeError):
     pass
 
 
+class UnknownEncoderError(EmbeddingFetchError):
+    """A ref named an encoder discovery does not list: the request's fault, nothing was dialled."""
+
+
 class EmbeddingFetcher:
-    def __init__(self, cache=None):
+    """Owns its encoder channels and its worker's peer directory (others may borrow it; ``close``
+    ends both)."""
+
+    def __init__(self, cache=None, *, peers: PeerDirectory, token: SecretStr | None = None):
         self.cache = cache   # object with ``async get(key) -> Tensor | None`` and ``close()``, or None
+        self.peers = peers
+        self._token = token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     @classmethod
@@ -37,19 +53,29 @@ class EmbeddingFetcher:
 
         There is no point in a private in-process cache here: only the encoder fills it.
         """
-        if not settings.redis_url:
-            return cls(None)
-        from cache import open_encoder_cache
+        cache = None
+        if settings.redis_url:
+            from cache import open_encoder_cache
 
-        return cls(open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20,
-                                      ttl_s=settings.cache_ttl_s))
+            cache = open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20,
+                                       ttl_s=settings.cache_ttl_s)
+        return cls(cache, peers=PeerDirectory.for_settings(settings), token=settings.internal_token)
 
     def _stub(self, address: str) -> pb_grpc.EncoderStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = open_channel(address, self._token)
         return pb_grpc.EncoderStub(self._channels[address])
 
+    async def require_encoders(self, images: Sequence[pb.ImageRef]) -> None:
+        """Raise ``UnknownPeerError`` unless every encoder the refs name is a discovered one."""
+        for address in sorted({im.encoder_address for im in images if im.encoder_address}):
+            await self.peers.require(PeerRole.ENCODER, address)
+
     async def fetch(self, request_id: str, images: Sequence[pb.ImageRef], timeout_s: float) -> list[torch.Tensor]:
+        try:
+            await self.require_encoders(images)
+        except UnknownPeerError as exc:
+            raise UnknownEncoderError(str(exc)) from exc
         found: dict[int, torch.Tensor] = {}
         if self.cache is not None:
             for i, ref in enumerate(images):
@@ -82,3 +108,4 @@ class EmbeddingFetcher:
         self._channels.clear()
         if self.cache is not None:
             await self.cache.close()
+        await self.peers.close()

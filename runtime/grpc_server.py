@@ -1,5 +1,8 @@
 """Common life of every gRPC worker: health, reflection, registration, graceful drain.
 
+Every RPC but health needs the internal token when one is set (``runtime/internal_auth.py``);
+a worker that would listen beyond loopback without one refuses to start.
+
 Lifecycle: start -> SERVING (health) -> registered in Redis with a heartbeat ->
 on SIGTERM/SIGINT: NOT_SERVING first, deregister, drain in-flight work (bounded by
 ``drain_timeout_s``), then stop with a grace period. Nothing is cut mid-request
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -22,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.epd.v1 import epd_pb2
 
 from .discovery import WorkerRegistration
+from .internal_auth import TOKEN_ENV, exposure_problem, server_interceptors
 from .settings import WorkerSettings
 from .wire import GRPC_OPTIONS
 
@@ -33,12 +38,19 @@ class WorkerServer:
         self.role = role
         self.settings = settings
         self.service_name = service_name
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(settings.internal_token))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.address = ""
         self._registration: WorkerRegistration | None = None
 
     async def start(self) -> str:
+        s = self.settings
+        problem = exposure_problem(s.host, s.internal_token, s.allow_unauthenticated)
+        if problem:
+            raise RuntimeError(problem)
+        if s.internal_token is None:
+            log.warning("no %s: this %s worker accepts RPCs from anyone who can reach %s", TOKEN_ENV, self.role,
+                        s.host)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
             epd_pb2.DESCRIPTOR.services_by_name[self.service_name].full_name,
@@ -110,6 +122,10 @@ def run_worker(role: str, argv: list[str],
     from .worker_metrics import serve_worker_metrics
 
     settings = parse_worker_args(role, argv)
+    problem = exposure_problem(settings.host, settings.internal_token, settings.allow_unauthenticated)
+    if problem:   # before loading anything: one clear line, exit status 2
+        print(f"epd {role}: {problem}", file=sys.stderr)
+        return 2
     configure_logging()
     torch.set_grad_enabled(False)
 

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import argparse
 import socket
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .internal_auth import validate_token
 
 DEFAULT_PORTS = {"encoder": 50051, "prefill": 50052, "decode": 50053}
 
+AddressList = Annotated[list[str], NoDecode]   # "host:port,host:port", as the gateway's lists
+
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore",
+                                      hide_input_in_errors=True)   # errors never echo EPD_INTERNAL_TOKEN
 
     model: str = "models/demo-vlm"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -49,6 +54,24 @@ class WorkerSettings(BaseSettings):
     bulk_idle_timeout_s: float = Field(default=30.0, gt=0)   # a bulk peer silent this long is closed
     # fault injection (off by default; see runtime/faults.py)
     faults: str = ""
+    # security (runtime/internal_auth.py, runtime/peers.py): the token every worker RPC and bulk
+    # stream must carry, and the only peers this worker dials (plus the Redis registry)
+    internal_token: SecretStr | None = None
+    allow_unauthenticated: bool = False
+    encoder_addrs: AddressList = Field(default_factory=list)
+    decode_addrs: AddressList = Field(default_factory=list)
+
+    @field_validator("internal_token", mode="before")
+    @classmethod
+    def _token(cls, v: object) -> SecretStr | None:
+        return validate_token(v)
+
+    @field_validator("encoder_addrs", "decode_addrs", mode="before")
+    @classmethod
+    def _split_addresses(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("device")
     @classmethod
@@ -92,6 +115,10 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
     p.add_argument("--bulk-port", type=int)
     p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")
+    p.add_argument("--encoder-addrs", help="comma-separated host:port of the encoders this worker may fetch from")
+    p.add_argument("--decode-addrs", help="comma-separated host:port of the decode workers this worker may push KV to")
+    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                   help="listen beyond loopback without EPD_INTERNAL_TOKEN (trusted networks only)")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     return WorkerSettings(**overrides)

@@ -53,14 +53,14 @@ from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime import service_times as st
 from runtime.cost_model import CostModel
 from runtime.demo_model.shapes import draw_shape
-from runtime.wire import GRPC_OPTIONS
+from runtime.internal_auth import open_channel, token_from_env
 
 _STUBS = {"encoder": pb_grpc.EncoderStub, "prefill": pb_grpc.PrefillStub, "decode": pb_grpc.DecodeStub}
 _FILLER = "the quick brown fox jumps over the lazy dog near a small house by the road".split()
 
 
 async def _stats(role: str, address: str, since: int) -> pb.WorkerStats:
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+    async with open_channel(address, token_from_env()) as ch:   # the stack's EPD_INTERNAL_TOKEN, if any
         return await _STUBS[role](ch).Stats(pb.StatsRequest(since_sample=since), timeout=5)
 
 

@@ -2,6 +2,13 @@
 
 Every process gets a free port, runs until ``stop()``, and is terminated with
 SIGTERM (then SIGKILL) so no test leaves a process behind.
+
+Peer discovery: a worker dials only the peers discovery lists (runtime/peers.py), so
+``start`` passes every prefill/decode worker the encoders started before it
+(``--encoder-addrs``) and every prefill worker the decode workers started before it
+(``--decode-addrs``). Start encoders first, then decode, then prefill (or give the
+workers ``--redis-url``). ``token`` is every worker's ``EPD_INTERNAL_TOKEN``; the
+security variables of the test runner's own environment never leak into a worker.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "demo-vlm"
+# set per cluster (or per worker through ``env``), never inherited from the shell running the tests
+_SCRUBBED = ("EPD_INTERNAL_TOKEN", "EPD_ALLOW_UNAUTHENTICATED", "EPD_ENCODER_ADDRS", "EPD_PREFILL_ADDRS",
+             "EPD_DECODE_ADDRS")
 
 
 def free_port() -> int:
@@ -39,17 +49,35 @@ class Worker:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def worker_env(token: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a test worker process: the runner's, minus its security settings."""
+    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    if token is not None:
+        base["EPD_INTERNAL_TOKEN"] = token
+    return {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
 @dataclass
 class Cluster:
     tmp: Path
     workers: list[Worker] = field(default_factory=list)
+    token: str | None = None       # EPD_INTERNAL_TOKEN of every worker started here
+
+    def peer_flags(self, role: str) -> list[str]:
+        """Discovery for ``role``: the encoder / decode workers already started."""
+        flags = []
+        if role in ("prefill", "decode") and self.by_role("encoder"):
+            flags += ["--encoder-addrs", ",".join(w.address for w in self.by_role("encoder"))]
+        if role == "prefill" and self.by_role("decode"):
+            flags += ["--decode-addrs", ",".join(w.address for w in self.by_role("decode"))]
+        return flags
 
     def start(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Worker:
         port = free_port()
         log_path = self.tmp / f"{role}-{port}.log"
         cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
-               "--port", str(port), *extra]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+               "--port", str(port), *self.peer_flags(role), *extra]
+        full_env = worker_env(self.token, env)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=full_env)
         w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
         self.workers.append(w)

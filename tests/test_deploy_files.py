@@ -7,11 +7,15 @@ There is no Docker engine or cluster here, so these check what can be checked wi
   by kubernetes-validate (dev dependency), for the oldest and newest versions we claim;
 - every command a container or health check runs is `epd <subcommand>` from launcher.cli;
 - every EPD_* variable is one that epd reads;
-- the wiring between files (ports, labels, selectors, metric names, drain vs grace periods).
+- the wiring between files (ports, labels, selectors, metric names, drain vs grace periods);
+- the internal token: compose refuses to start without EPD_INTERNAL_TOKEN, every Kubernetes
+  workload reads it from the generated Secret, and the NetworkPolicies let only the gateway
+  (and workers among themselves where the pipeline needs it) reach the workers.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import json
@@ -44,9 +48,15 @@ EPD_VARS = {
     "EPD_PORT", "EPD_ADVERTISE_HOST", "EPD_ENCODER_ADDRS", "EPD_PREFILL_ADDRS", "EPD_DECODE_ADDRS",
     "EPD_PLACEMENT", "EPD_KV_MEMORY_MB", "EPD_PREFILL_CHUNK_TOKENS", "EPD_TTFT_SLO_MS",
     "EPD_ITL_SLO_MS", "EPD_DRAIN_TIMEOUT_S", "EPD_METRICS_PORT", "EPD_ADMISSION_QUANTILE",
+    "EPD_INTERNAL_TOKEN", "EPD_ALLOW_UNAUTHENTICATED", "EPD_BULK_PORT",
 }  # fmt: skip
 # ... and one the image's HEALTHCHECK reads, for a bare `docker run` of a worker.
 DOCKERFILE_ONLY_VARS = {"EPD_HEALTHCHECK_TARGET"}
+# what the compose files are read with: the token is required, as `docker compose` requires it
+COMPOSE_ENV = {"EPD_INTERNAL_TOKEN": "0123456789abcdef0123456789abcdef"}
+TOKEN_SECRET = "epd-internal-token"
+TOKEN_FILE = "internal-token"     # deploy/k8s/base/, created by the user, git-ignored
+DECODE_BULK_PORT = 50054
 
 
 # ----------------------------------------------------------------------------- loading helpers
@@ -73,11 +83,15 @@ def _load_compose(name: str) -> dict[str, Any]:
     return yaml.load((ROOT / name).read_text(), Loader=_ComposeLoader)
 
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class ComposeInterpolationError(ValueError):
+    """`${VAR:?message}` with VAR unset: `docker compose` stops with the message."""
 
 
 def _interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose variable interpolation (`${VAR}`, `${VAR:-default}`, `$$`) over a loaded document."""
+    """Compose variable interpolation (`${VAR}`, `${VAR:-default}`, `${VAR:?error}`, `$$`) over a loaded document."""
     if isinstance(value, dict):
         return {k: _interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -87,8 +101,10 @@ def _interpolate(value: Any, env: dict[str, str]) -> Any:
         def sub(m: re.Match[str]) -> str:
             if m.group(0) == "$$":
                 return "$"
-            name = m.group(1) or m.group(3)
-            return env.get(name) or (m.group(2) or "")
+            name = m.group(1) or m.group(6)
+            if m.group(4) and not env.get(name):
+                raise ComposeInterpolationError(f"required variable {name} is missing a value: {m.group(5)}")
+            return env.get(name) or (m.group(3) or "")
 
         return _VAR.sub(sub, value)
     return value
@@ -129,21 +145,37 @@ def compose_schema() -> jsonschema.Draft202012Validator:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return _interpolate(_load_compose("docker-compose.yml"), {})
+    return _interpolate(_load_compose("docker-compose.yml"), COMPOSE_ENV)
 
 
 @pytest.fixture(scope="module")
 def compose_cpu() -> dict[str, Any]:
-    return _interpolate(_merge(_load_compose("docker-compose.yml"), _load_compose("docker-compose.cpu.yml")), {})
+    return _interpolate(_merge(_load_compose("docker-compose.yml"), _load_compose("docker-compose.cpu.yml")), COMPOSE_ENV)
 
 
 def _k8s_docs(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+def _generated_secrets(kustomization: dict[str, Any]) -> list[dict[str, Any]]:
+    """What kustomize's `secretGenerator` makes from `files: [KEY=path]`, with a stand-in for each
+    file's content (the real file is the user's and is not in the repository)."""
+    out = []
+    for gen in kustomization.get("secretGenerator", []):
+        data = {}
+        for entry in gen["files"]:
+            key, _, _path = entry.partition("=")
+            data[key] = base64.b64encode(b"stand-in-for-the-user's-token").decode()
+        labels = gen.get("options", {}).get("labels", {})
+        out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                    "metadata": {"name": gen["name"], "labels": labels}, "data": data})
+    return out
+
+
 def _k8s_base() -> list[dict[str, Any]]:
     kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     docs = [doc for name in kustomization["resources"] for doc in _k8s_docs(K8S_BASE / name)]
+    docs += _generated_secrets(kustomization)
     for doc in docs:  # what kustomize's `namespace` and `images` do
         if doc["kind"] != "Namespace":
             doc["metadata"]["namespace"] = kustomization["namespace"]
@@ -303,7 +335,7 @@ def test_image_contains_every_package_and_the_models() -> None:
 def test_compose_matches_the_compose_spec(compose_schema, compose, compose_cpu) -> None:
     for name, doc in [
         ("docker-compose.yml", compose),
-        ("docker-compose.cpu.yml", _strip_resets(_interpolate(_load_compose("docker-compose.cpu.yml"), {}))),
+        ("docker-compose.cpu.yml", _strip_resets(_interpolate(_load_compose("docker-compose.cpu.yml"), COMPOSE_ENV))),
         ("docker-compose.yml + docker-compose.cpu.yml", compose_cpu),
     ]:
         errors = sorted(compose_schema.iter_errors(doc), key=lambda e: list(e.path))
@@ -402,7 +434,19 @@ def test_compose_env_passthrough_matches_epd_serve() -> None:
     for name, value in raw.items():
         if value is None or name in ("EPD_REDIS_URL", "EPD_HOST"):
             continue
+        if name == "EPD_INTERNAL_TOKEN":  # required: no default, compose stops without it
+            assert value.startswith(f"${{{name}:?"), value
+            continue
         assert value.startswith(f"${{{name}:-"), f"{name} must pass through from the shell: {value}"
+
+
+def test_compose_needs_the_internal_token_and_gives_it_to_every_service(compose) -> None:
+    with pytest.raises(ComposeInterpolationError, match="EPD_INTERNAL_TOKEN"):
+        _interpolate(_load_compose("docker-compose.yml"), {})
+    for name in (*WORKERS, "gateway"):
+        assert compose["services"][name]["environment"]["EPD_INTERNAL_TOKEN"] == COMPOSE_ENV["EPD_INTERNAL_TOKEN"]
+    assert "EPD_INTERNAL_TOKEN" not in json.dumps(compose["services"]["redis"])
+    assert re.search(r"^\.env$", (ROOT / ".gitignore").read_text(), re.M), ".env holds the token: never commit it"
 
 
 # ---------------------------------------------------------------------------- environment
@@ -576,3 +620,104 @@ def test_redis_is_a_bounded_lru_cache_in_k8s_too() -> None:
     assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
     maxmemory = int(args[args.index("--maxmemory") + 1].removesuffix("mb"))
     assert maxmemory < int(redis["resources"]["limits"]["memory"].removesuffix("Mi"))
+
+
+# ---------------------------------------------------------------------- internal token, network
+
+
+def test_k8s_token_comes_from_a_generated_secret_that_is_never_committed() -> None:
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
+    (generator,) = kustomization["secretGenerator"]
+    assert generator["name"] == TOKEN_SECRET
+    assert generator["files"] == [f"EPD_INTERNAL_TOKEN={TOKEN_FILE}"]
+    assert f"deploy/k8s/base/{TOKEN_FILE}" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "*" in (ROOT / ".dockerignore").read_text().splitlines(), "the image copies an allowlist only"
+    for build in (_k8s_base(), _k8s_cpu()):
+        assert "EPD_INTERNAL_TOKEN" not in json.dumps(_by_kind(build, "ConfigMap"))
+        for name, deployment in _by_kind(build, "Deployment").items():
+            (container,) = _containers(deployment)
+            env = {e["name"]: e for e in container.get("env", [])}
+            if name == "redis":
+                assert "EPD_INTERNAL_TOKEN" not in env
+                continue
+            token = env["EPD_INTERNAL_TOKEN"]
+            assert "value" not in token, f"{name}: a literal token in a manifest"
+            assert token["valueFrom"] == {"secretKeyRef": {"name": TOKEN_SECRET, "key": "EPD_INTERNAL_TOKEN"}}, name
+        assert set(_by_kind(build, "Secret")) == {TOKEN_SECRET}
+
+
+def test_k8s_decode_bulk_port_is_fixed_and_named() -> None:
+    (decode,) = _containers(_by_kind(_k8s_base(), "Deployment")["decode"])
+    env = {e["name"]: e for e in decode["env"]}
+    assert env["EPD_BULK_PORT"]["value"] == str(DECODE_BULK_PORT)
+    assert {"name": "kv-bulk", "containerPort": DECODE_BULK_PORT} in decode["ports"]
+
+
+def test_k8s_workers_serve_metrics_where_they_are_scraped() -> None:
+    docs = _k8s_base()
+    assert _by_kind(docs, "ConfigMap")["epd-config"]["data"]["EPD_METRICS_PORT"] == "9100"
+    for name in WORKERS:
+        deployment = _by_kind(docs, "Deployment")[name]
+        assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+        assert {"name": "metrics", "containerPort": 9100} in _containers(deployment)[0]["ports"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "this check reads matchLabels only"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(peer: dict[str, Any], source: tuple[str, dict[str, str]], namespace: str) -> bool:
+    src_namespace, src_labels = source
+    assert set(peer) <= {"podSelector", "namespaceSelector"}, f"unsupported peer {peer}"
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": src_namespace}):
+            return False
+    elif src_namespace != namespace:
+        return False
+    return _selects(peer.get("podSelector", {}), src_labels)
+
+
+def _ingress_allowed(docs: list[dict[str, Any]], source: tuple[str, dict[str, str]], target: str, port: str) -> bool:
+    """NetworkPolicy semantics for one TCP connection to a named container port of `target`'s pods."""
+    deployment = _by_kind(docs, "Deployment")[target]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    numbers = {p["name"]: p["containerPort"] for c in _containers(deployment) for p in c["ports"]}
+    assert port in numbers, f"{target} has no port {port}"
+    namespace = deployment["metadata"]["namespace"]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], labels)
+                and "Ingress" in d["spec"]["policyTypes"]]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(p["port"] in (port, numbers[port]) for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or any(_peer_matches(peer, source, namespace) for peer in peers):
+                return True
+    return False
+
+
+def test_k8s_network_policy_lets_only_the_pipeline_reach_the_workers() -> None:
+    for docs in (_k8s_base(), _k8s_cpu()):
+        deployments = _by_kind(docs, "Deployment")
+        pods = {name: ("epd", d["spec"]["template"]["metadata"]["labels"]) for name, d in deployments.items()}
+        sources = {**pods, "stranger-in-namespace": ("epd", {"app": "debug"}), "other-namespace": ("default", {}),
+                   "monitoring": ("monitoring", {"app.kubernetes.io/name": "prometheus"})}
+        opened = {
+            ("gateway", "encoder", "grpc"), ("gateway", "prefill", "grpc"), ("gateway", "decode", "grpc"),
+            ("prefill", "encoder", "grpc"), ("decode", "encoder", "grpc"),          # embeddings by key
+            ("prefill", "decode", "grpc"), ("prefill", "decode", "kv-bulk"),        # the KV handoff
+            *((src, "redis", "redis") for src in (*WORKERS, "gateway", "redis")),
+            *(("monitoring", worker, "metrics") for worker in WORKERS),
+            *((src, "gateway", "http") for src in sources),                          # the front door
+        }
+        targets = {**{w: ["grpc", "metrics"] for w in WORKERS}, "redis": ["redis"], "gateway": ["http"]}
+        targets["decode"].append("kv-bulk")
+        for source, where in sources.items():
+            for target, ports in targets.items():
+                for port in ports:
+                    expected = (source, target, port) in opened
+                    assert _ingress_allowed(docs, where, target, port) == expected, (source, target, port)

@@ -105,8 +105,8 @@ def cluster(tmp_path):
 
 async def test_corrupt_and_dropped_chunks_are_retried_or_fail_clearly(cluster, processor):
     cluster.start("encoder")
-    cluster.start("prefill")
     cluster.start("decode", "--faults", "corrupt_chunk=0.15,drop_chunk=0.05,seed=3")
+    cluster.start("prefill")
     cluster.wait_healthy()
     results = await run_batch(cluster, processor, range(10))
     check(results, min_ok=5)
@@ -114,8 +114,8 @@ async def test_corrupt_and_dropped_chunks_are_retried_or_fail_clearly(cluster, p
 
 async def test_broken_duplicated_and_delayed_transfers(cluster, processor):
     cluster.start("encoder")
-    cluster.start("prefill", "--faults", "fail_transfer=0.4,dup_chunk=0.3,delay_chunk_ms=5,seed=5")
     cluster.start("decode")
+    cluster.start("prefill", "--faults", "fail_transfer=0.4,dup_chunk=0.3,delay_chunk_ms=5,seed=5")
     cluster.wait_healthy()
     results = await run_batch(cluster, processor, range(12, 22), concurrent=True)
     check(results, min_ok=5)
@@ -123,9 +123,9 @@ async def test_broken_duplicated_and_delayed_transfers(cluster, processor):
 
 async def test_prefill_crash_reprefills_on_another_worker(cluster, processor):
     cluster.start("encoder")
+    cluster.start("decode")
     crashing = cluster.start("prefill", "--faults", "crash_prefill=1.0")
     cluster.start("prefill")
-    cluster.start("decode")
     cluster.wait_healthy()
     results = await run_batch(cluster, processor, range(24, 28))
     check(results, min_ok=4)  # every request recovers on the healthy prefill worker
@@ -134,8 +134,8 @@ async def test_prefill_crash_reprefills_on_another_worker(cluster, processor):
 
 async def test_encoder_stall_fails_by_the_deadline(cluster, processor):
     cluster.start("encoder", "--faults", f"stall_encoder_ms={int((DEADLINE_S + 3) * 1000)}")
-    cluster.start("prefill")
     cluster.start("decode")
+    cluster.start("prefill")
     cluster.wait_healthy()
     results = await run_batch(cluster, processor, range(28, 30))
     assert results[0][0] == "deadline"  # the first request waits on the stalled encoder until its deadline

@@ -27,7 +27,9 @@ from runtime.demo_model.shapes import draw_shape
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     c = Cluster(tmp)
-    e, p, d = c.start("encoder"), c.start("prefill"), c.start("decode")
+    e = c.start("encoder")
+    d = c.start("decode")       # before prefill: a worker dials only peers it was told about
+    p = c.start("prefill")
     gateway = None
     try:
         c.wait_healthy()

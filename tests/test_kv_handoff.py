@@ -29,6 +29,7 @@ from cluster import DEMO_MODEL, Cluster, free_port
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
+from runtime.internal_auth import bulk_preamble
 from runtime.model_adapter import FirstToken, VLMAdapter
 from runtime.tensor_bytes import dtype_name
 from runtime.wire import GRPC_OPTIONS, payload_checksum, token_digest
@@ -480,7 +481,7 @@ async def test_bulk_path_malformed_stream_is_closed_and_nothing_lands(env, stub)
     reservation, bulk = await bulk_reserve(stub, env, p)
     host, port = bulk.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(struct.pack("<I", 10_000_000))  # a header length no sender would use
+    writer.write(bulk_preamble(None) + struct.pack("<I", 10_000_000))  # a header length no sender would use
     await writer.drain()
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the worker closed the stream
     writer.close()
@@ -505,7 +506,7 @@ async def test_bulk_chunk_cut_off_by_release_never_writes_into_the_next_owners_b
     host, port = bulk.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     half = len(payload) // 2
-    writer.write(struct.pack("<I", len(head)) + head + payload[:half])
+    writer.write(bulk_preamble(None) + struct.pack("<I", len(head)) + head + payload[:half])
     await writer.drain()
     await _wait_stats(stub, lambda s: True)   # a round trip: the worker has had time to read the first half
     await asyncio.sleep(0.2)

@@ -20,7 +20,6 @@ registered in database 0 meanwhile, never show up in this module's discovery.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster import DEMO_MODEL, ROOT, Cluster, Worker
+from cluster import DEMO_MODEL, ROOT, Cluster, Worker, worker_env
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from proto.epd.v1 import epd_pb2 as pb
@@ -67,8 +66,8 @@ class Workers:
         self._n += 1
         log_path = self.cluster.tmp / f"{role}-{port}-restart{self._n}.log"
         cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
-               "--port", str(port), "--redis-url", REDIS_URL, *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ENV}
+               "--port", str(port), "--redis-url", REDIS_URL, *self.cluster.peer_flags(role), *extra]
+        env = worker_env(self.cluster.token, ENV)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
         w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
         self.cluster.workers.append(w)
@@ -119,7 +118,7 @@ def workers(tmp_path_factory):
     w = Workers(c)
     try:
         # encoder, slowed prefill, two decode workers: everything the first test needs, started together
-        w.ensure({"encoder": 1, "prefill": 1, "decode": 2})
+        w.ensure({"encoder": 1, "decode": 2, "prefill": 1})
         yield w
     finally:
         c.stop()
@@ -221,7 +220,7 @@ async def wait_exit(w: Worker, timeout_s: float) -> int:
 # -- tests --------------------------------------------------------------------------------------
 
 async def test_decode_killed_mid_request_is_routed_around_and_taken_back(workers, processor):
-    workers.ensure({"encoder": 1, "prefill": 1, "decode": 2})
+    workers.ensure({"encoder": 1, "decode": 2, "prefill": 1})
     orch = static_orchestrator(workers, SLOW_CHUNK)
     await orch.start()
     try:
@@ -274,7 +273,7 @@ async def test_decode_killed_mid_request_is_routed_around_and_taken_back(workers
 
 
 async def test_decode_sigterm_drains_the_request_in_flight(workers, processor):
-    workers.ensure({"encoder": 1, "prefill": 1, "decode": 2})
+    workers.ensure({"encoder": 1, "decode": 2, "prefill": 1})
     orch = discovery_orchestrator(SLOW_CHUNK)        # deregistration must not cut the request either
     await orch.start()
     try:
@@ -302,7 +301,7 @@ async def test_decode_sigterm_drains_the_request_in_flight(workers, processor):
 
 
 async def test_discovery_through_redis(workers, processor):
-    workers.ensure({"encoder": 1, "prefill": 1, "decode": 1})
+    workers.ensure({"encoder": 1, "decode": 1, "prefill": 1})
     new_replica = workers.start("decode")             # loads while the gateway finds the others
     orch = discovery_orchestrator(FAST_CHUNK)
     await orch.start()
@@ -352,7 +351,7 @@ async def until_async(predicate, timeout_s: float, what: str) -> float:
 
 
 async def test_prefill_sigterm_finishes_the_prefill_in_flight(workers, processor):
-    workers.ensure({"encoder": 1, "prefill": 1, "decode": 1})
+    workers.ensure({"encoder": 1, "decode": 1, "prefill": 1})
     orch = discovery_orchestrator(SLOW_CHUNK)
     await orch.start()
     try:

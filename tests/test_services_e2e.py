@@ -83,8 +83,8 @@ def env(tmp_path_factory) -> Env:
     cluster = Cluster(tmp_path_factory.mktemp("e2e"))
     try:
         encoder = cluster.start("encoder")
-        prefill = cluster.start("prefill")
         decode = cluster.start("decode", "--prefill-chunk-tokens", str(DECODE_PREFILL_CHUNK))
+        prefill = cluster.start("prefill")      # after decode: it pushes KV only to discovered peers
         # references while the workers start up
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
