@@ -19,6 +19,7 @@ from decode_svc.bulk_receiver import BulkKVServer
 from decode_svc.kv_receiver import KVReceiver
 from decode_svc.reservations import ReservationTable
 from proto.epd.v1 import epd_pb2 as pb
+from runtime.internal_auth import bulk_preamble
 from runtime.faults import FaultInjector
 from runtime.kv_pool import KVBlockPool, KVLayout
 from runtime.tensor_bytes import dtype_name
@@ -59,7 +60,10 @@ class Env:
         self.server = CountingServer(self.receiver, FaultInjector(""), idle_timeout_s=idle_timeout_s)
 
     async def connect(self):
-        return await asyncio.open_connection("127.0.0.1", self.server.port)
+        """A stream past its handshake (no token configured: any well-formed preamble)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        writer.write(bulk_preamble(None))
+        return reader, writer
 
     def reserve(self):
         return self.table.reserve("r", PROMPT, 2, time.monotonic() + 30, "digest", "fp")

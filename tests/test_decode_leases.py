@@ -30,6 +30,7 @@ from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
 from runtime.embedding_fetch import EmbeddingFetcher
+from runtime.peers import PeerDirectory
 from runtime.kv_pool import KVBlockPool
 from runtime.model_adapter import FirstToken, VLMAdapter
 from runtime.sampling import SamplingParams
@@ -87,7 +88,7 @@ class GatedFetcher(EmbeddingFetcher):
     """Test seam: embeddings computed in this process, each fetch held until ``gate`` is set."""
 
     def __init__(self, prompts: list[Prompt]):
-        super().__init__(None)
+        super().__init__(None, peers=PeerDirectory({}, None))
         self.by_key = {p.key: p.embedding for p in prompts}
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()

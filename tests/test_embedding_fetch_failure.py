@@ -45,9 +45,11 @@ def processor():
 def stack(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("fetch-failure"))
     try:
-        cluster.start("encoder")
-        cluster.start("prefill")
+        cluster.start("encoder")                     # the stable one
+        for _ in PLACEMENTS:                         # one to kill per test, known to every peer list
+            cluster.start("encoder")
         cluster.start("decode")
+        cluster.start("prefill")
         cluster.wait_healthy()
         yield cluster
     finally:
@@ -87,11 +89,14 @@ async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
     return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+PLACEMENTS = ["colocated", "disaggregated"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_stays_healthy(stack, processor, placement):
-    doomed = stack.start("encoder")
-    stack.wait_healthy()
-    stable = [w for w in stack.by_role("encoder") if w is not doomed and w.proc.poll() is None]
+    encoders = stack.by_role("encoder")
+    doomed = encoders[1 + PLACEMENTS.index(placement)]
+    stable = encoders[:1]
     prefill, decode = stack.by_role("prefill")[0], stack.by_role("decode")[0]
     settings = GatewaySettings(encoder_addrs=[doomed.address, stable[0].address], prefill_addrs=[prefill.address],
                                decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8)
@@ -132,4 +137,3 @@ async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_st
         assert d.lease_reaped_total == 0, "the failed request's blocks were left to the lease reaper"
     finally:
         await orch.close()
-        stack.workers.remove(doomed)
