@@ -1,0 +1,34 @@
+"""Settings only ``epd serve`` reads, typed, from ``EPD_*`` variables (overridable by its flags).
+
+The workers' and the gateway's own settings (``runtime.settings.WorkerSettings``,
+``gateway.settings.GatewaySettings``) give serve's other defaults, so a variable means
+the same to ``epd serve`` as to the process it configures.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", env_ignore_empty=True)
+
+    # API keys the gateway requires (EPD_API_KEY, comma-separated); handed to the gateway only
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # supervision: a child that exits on its own is restarted after restart_backoff_s, doubling per
+    # further exit within restart_window_s (at most restart_max_backoff_s); restart_limit exits
+    # within the window and serve gives up on it
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    restart_max_backoff_s: float = Field(default=30.0, ge=0)
+    restart_limit: int = Field(default=5, ge=1)
+    restart_window_s: float = Field(default=60.0, gt=0)
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
