@@ -111,8 +111,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
     if not 0 <= args.port <= 65535:
         p.error("--port must be in 0..65535")
     args.api_key = serve.api_key if args.api_key is None else args.api_key
-    if any(not key or "," in key for key in args.api_key):
-        p.error("an --api-key must be non-empty and contain no comma")
+    if any(not key or "," in key or key != key.strip() or not key.isprintable() for key in args.api_key):
+        p.error("an --api-key must be non-empty printable text without commas or surrounding spaces")
     try:
         args.policy = RestartPolicy(args.restart_backoff_s, args.restart_max_backoff_s, args.restart_limit,
                                     args.restart_window_s)
