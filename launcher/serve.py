@@ -68,6 +68,16 @@ def _accepting(host: str, port: int) -> bool:
         return False
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def _load_settings() -> tuple[WorkerSettings, GatewaySettings, ServeSettings]:
     try:
         return WorkerSettings(), GatewaySettings(), ServeSettings()
@@ -187,6 +197,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv, worker, gateway, serve)
     if args.port == 0:
         args.port = _free_port(args.host)
+    problem = _cannot_listen(args.host, args.port)
+    if problem:   # found now, not after every worker has loaded and the gateway crashed five times
+        print(f"epd serve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 1
     addrs = plan_addresses(args)
     worker_env, gateway_env = child_environments(args, addrs, dict(os.environ))
     supervisor = Supervisor(args.policy, required_roles(args))

@@ -8,6 +8,8 @@ the internal token everywhere, the API keys to the gateway alone.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gateway.settings import GatewaySettings
@@ -135,3 +137,16 @@ def test_a_bad_environment_value_is_refused_before_anything_starts(monkeypatch, 
         serve._load_settings()
     assert exc.value.code == 2
     assert "invalid EPD_* setting" in capsys.readouterr().err
+
+
+def test_a_gateway_port_in_use_is_refused_before_anything_starts(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        assert serve.main(["--host", "127.0.0.1", "--port", str(port)]) == 1
+    assert time.monotonic() - t0 < 5, "refused at once, no worker started"
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
