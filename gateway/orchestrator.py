@@ -288,7 +288,17 @@ class Orchestrator:
         attempts = 0
         decode.inflight += 1  # from before Reserve: a handle dropped from discovery keeps its channel while > 0
         try:
-            reservation = await self._reserve(decode, job, digest)
+            try:
+                reservation = await self._reserve(decode, job, digest)
+            except BackendFailure:
+                # the chosen worker may have died since the last poll; nothing was sent anywhere yet
+                moved = await self._replacement_decode(decode)
+                if moved is None:
+                    raise
+                decode.inflight -= 1
+                decode = moved
+                decode.inflight += 1
+                reservation = await self._reserve(decode, job, digest)
             while True:
                 try:
                     stream, first = await self._start_attempt(job, decode, prefill, reservation, refs, digest, colocated, breakdown)
@@ -296,7 +306,8 @@ class Orchestrator:
                 except TransferFailed as failure:
                     attempts += 1
                     m.KV_TRANSFER_FAILED.inc()
-                    if failure.worker_lost:
+                    if failure.worker_lost and (prefill is None or not await self._alive(prefill)):
+                        # confirmed: a prefill whose push broke because the decode worker died is innocent
                         self.registry.mark_unhealthy("prefill", failure.worker_lost)
                     if not failure.decode_lost:
                         failure.decode_lost = not await self._alive(decode)
@@ -351,8 +362,21 @@ class Orchestrator:
             await self._release(decode, reservation, job, "request ended")
             decode.inflight -= 1
 
+    async def _replacement_decode(self, lost: WorkerHandle) -> WorkerHandle | None:
+        """After a failed Reserve: if ``lost`` is really gone, mark it and name the least loaded
+        other healthy decode worker (``None``: the failure stands)."""
+        if await self._alive(lost):
+            return None
+        self.registry.mark_unhealthy("decode", lost.address)
+        others = [h for h in self.registry.healthy("decode") if h.address != lost.address]
+        if not others:
+            return None
+        m.FAILURE_ACTIONS.labels("other_decode").inc()
+        log.warning("decode worker %s is gone; placing the request on another", lost.address)
+        return min(others, key=lambda h: h.inflight + h.stats.running_seqs)
+
     async def _alive(self, h: WorkerHandle) -> bool:
-        """A quick probe after a failed handoff: is the decode worker itself still there?"""
+        """A quick probe after a failure: is the worker itself still there?"""
         try:
             await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample), timeout=1.0)
             return True

@@ -4,7 +4,10 @@ Discovery: static addresses from settings, plus (with Redis) every worker that
 registered itself with a heartbeat. A poll loop calls each worker's ``Stats``
 every ``poll_s``: success marks it healthy and refreshes its load; a failure marks
 it unhealthy at once (routed around) and it is taken back as soon as a poll
-succeeds again. Workers that vanish from Redis are dropped (their channel is closed once
+succeeds again. A worker that died is marked within ``poll_s`` plus the slowest
+poll of the previous round (each bounded by its 1 s timeout); a failed RPC marks
+it at once (the orchestrator). A worker restarted on the same address is
+reconnected to within about a second (``GRPC_OPTIONS``' reconnect backoff). Workers that vanish from Redis are dropped (their channel is closed once
 this gateway's requests on them have ended: a draining worker leaves Redis first).
 
 Timing samples in the stats feed the cost model (``on_sample``), so its

@@ -1,48 +1,53 @@
 """``epd serve``: the whole stack on one machine, as separate processes talking gRPC.
 
-Starts encoder, prefill and decode workers (each ``epd <role>`` in its own
-process, exactly as in a deployment), waits until each reports SERVING on the
-gRPC health service, then starts the gateway pointed at them. Ctrl-C or SIGTERM
-stops the gateway first, then drains the workers; children are also bound to
-this process's life (Linux parent-death signal), so none is orphaned.
+Starts encoder, prefill and decode workers (each ``epd <role>`` in its own process, exactly as
+in a deployment) on loopback, and, once every worker reports SERVING on the gRPC health
+service, the gateway on ``--host`` (``EPD_HOST``). Then it supervises them
+(``launcher.supervisor``): a child that exits is restarted on the same address with backoff,
+and given up on, loudly, after repeated exits in a short window. Ctrl-C or SIGTERM stops the
+gateway first, then drains the workers.
+
+Every default comes from the settings classes of the processes it configures
+(``WorkerSettings``, ``GatewaySettings``, ``ServeSettings``), so an ``EPD_*`` variable means the
+same to serve as to them, and serve passes a flag to a child only for what it decides itself
+(model, device, listening address). Besides serve's own environment every child gets:
+
+- ``EPD_ENCODER_ADDRS``, ``EPD_PREFILL_ADDRS``, ``EPD_DECODE_ADDRS``: every worker's address,
+  all fixed before the first one starts (a role without workers: the variable is unset);
+- ``EPD_INTERNAL_TOKEN``: the one set, else one generated for this run (never printed);
+- the gateway alone: ``EPD_API_KEY``, the ``--api-key`` values comma-separated.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import os
-import signal
+import secrets
 import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
 
-PR_SET_PDEATHSIG = 1
+from gateway.settings import GatewaySettings
+from runtime.settings import WorkerSettings
 
+from .restart_policy import RestartPolicy
+from .serve_settings import ServeSettings
+from .supervisor import Child, ChildSpec, Supervisor, install_stop_signals
 
-def _bind_to_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the signal handlers below still stop the children
+WORKER_HOST = "127.0.0.1"        # workers are reached by the local gateway only
+ROLES = ("encoder", "prefill", "decode")
+EXE = [sys.executable, "-m", "launcher.cli"]
+STOP_GRACE_S = 5.0               # beyond a child's own drain timeout before it is killed
 
 
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    role: str
-    address: str
-    proc: subprocess.Popen
 
 
 def _serving(address: str) -> bool:
@@ -54,97 +59,163 @@ def _serving(address: str) -> bool:
         return False
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def _accepting(host: str, port: int) -> bool:
+    connect_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        with socket.create_connection((connect_host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _load_settings() -> tuple[WorkerSettings, GatewaySettings, ServeSettings]:
+    try:
+        return WorkerSettings(), GatewaySettings(), ServeSettings()
+    except ValidationError as exc:
+        print(f"epd serve: invalid EPD_* setting:\n{exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings,
+               serve: ServeSettings) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="epd serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.environ.get("EPD_MODEL", "models/demo-vlm"), help="model folder or hub id")
-    p.add_argument("--served-model-name", default=os.environ.get("EPD_SERVED_MODEL_NAME", "demo-vlm"))
-    p.add_argument("--device", choices=["cpu", "cuda"], default=os.environ.get("EPD_DEVICE", "cpu"))
+    p.add_argument("--model", default=worker.model, help="model folder or hub id (EPD_MODEL)")
+    p.add_argument("--served-model-name", default=gateway.served_model_name, help="(EPD_SERVED_MODEL_NAME)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=worker.device, help="(EPD_DEVICE)")
     p.add_argument("--encoders", type=int, default=1)
     p.add_argument("--prefills", type=int, default=1)
     p.add_argument("--decodes", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=int(os.environ.get("EPD_PORT", "8000")))
-    p.add_argument("--redis-url", default=os.environ.get("EPD_REDIS_URL"), help="shared encoder cache + discovery; embedded cache when absent")
-    p.add_argument("--placement", choices=["conditional", "colocated", "disaggregated"],
-                   default=os.environ.get("EPD_PLACEMENT", "conditional"))
+    p.add_argument("--host", default=gateway.host, help="the gateway's listening address (EPD_HOST); workers use loopback")
+    p.add_argument("--port", type=int, default=gateway.port, help="the gateway's port (EPD_PORT)")
+    p.add_argument("--redis-url", default=worker.redis_url,
+                   help="shared encoder cache + discovery; embedded cache when absent (EPD_REDIS_URL)")
+    p.add_argument("--placement", choices=["conditional", "colocated", "disaggregated"], default=gateway.placement,
+                   help="(EPD_PLACEMENT)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
+    p.add_argument("--restart-backoff-s", type=float, default=serve.restart_backoff_s,
+                   help="first restart delay of a crashed child, doubling per further crash (EPD_RESTART_BACKOFF_S)")
+    p.add_argument("--restart-max-backoff-s", type=float, default=serve.restart_max_backoff_s,
+                   help="(EPD_RESTART_MAX_BACKOFF_S)")
+    p.add_argument("--restart-limit", type=int, default=serve.restart_limit,
+                   help="give up on a child after this many crashes within the window (EPD_RESTART_LIMIT)")
+    p.add_argument("--restart-window-s", type=float, default=serve.restart_window_s, help="(EPD_RESTART_WINDOW_S)")
     args = p.parse_args(argv)
     for name in ("encoders", "decodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if args.prefills < 0:
         p.error("--prefills must be >= 0")
+    if args.placement == "disaggregated" and args.prefills == 0:
+        p.error("--placement disaggregated needs --prefills >= 1")
+    if not 0 <= args.port <= 65535:
+        p.error("--port must be in 0..65535")
+    args.api_key = gateway.api_key if args.api_key is None else args.api_key
+    if any(not key or "," in key or key != key.strip() or not key.isprintable() for key in args.api_key):
+        p.error("an --api-key must be non-empty printable text without commas or surrounding spaces")
+    try:
+        args.policy = RestartPolicy(args.restart_backoff_s, args.restart_max_backoff_s, args.restart_limit,
+                                    args.restart_window_s)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
+def plan_addresses(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Every worker's address, fixed before any starts (a restart reuses it)."""
+    counts = {"encoder": args.encoders, "prefill": args.prefills, "decode": args.decodes}
+    return {role: [f"{WORKER_HOST}:{_free_port(WORKER_HOST)}" for _ in range(counts[role])] for role in ROLES}
+
+
+def child_environments(args: argparse.Namespace, addrs: dict[str, list[str]],
+                       environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(every worker's environment, the gateway's)."""
+    n_models = sum(len(a) for a in addrs.values())
+    env = {**environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_models)) if args.device == "cpu" else "1")
+    if args.redis_url:
+        env["EPD_REDIS_URL"] = args.redis_url
+    else:
+        env.pop("EPD_REDIS_URL", None)
+    env.pop("EPD_ADVERTISE_HOST", None)      # workers listen on loopback and advertise that
+    env["EPD_INTERNAL_TOKEN"] = environ.get("EPD_INTERNAL_TOKEN") or secrets.token_urlsafe(32)
+    for role in ROLES:
+        name = f"EPD_{role.upper()}_ADDRS"
+        if addrs[role]:
+            env[name] = ",".join(addrs[role])
+        else:
+            env.pop(name, None)
+    workers = {k: v for k, v in env.items() if k != "EPD_API_KEY"}
+    gateway = dict(workers)
+    if args.api_key:
+        gateway["EPD_API_KEY"] = ",".join(args.api_key)
+    return workers, gateway
+
+
+def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[str, list[str]],
+                 env: dict[str, str]) -> list[ChildSpec]:
+    specs = []
+    n = 0
+    for role in ROLES:
+        for i, address in enumerate(addrs[role]):
+            argv = [*EXE, role, "--model", args.model, "--host", WORKER_HOST, "--port", address.rsplit(":", 1)[1],
+                    "--device", args.device]
+            if worker.metrics_port:          # one port each, from the one configured on
+                argv += ["--metrics-port", str(worker.metrics_port + n)]
+            if role == "decode" and worker.bulk_port:
+                argv += ["--bulk-port", str(worker.bulk_port + i)]
+            specs.append(ChildSpec(role, address, argv, env, functools.partial(_serving, address),
+                                   stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
+            n += 1
+    return specs
+
+
+def gateway_spec(args: argparse.Namespace, gateway: GatewaySettings, env: dict[str, str]) -> ChildSpec:
+    argv = [*EXE, "gateway", "--model", args.model, "--served-model-name", args.served_model_name,
+            "--host", args.host, "--port", str(args.port), "--placement", args.placement]
+    return ChildSpec("gateway", f"{args.host}:{args.port}", argv, env, functools.partial(_accepting, args.host, args.port),
+                     stop_group=0, stop_timeout_s=gateway.drain_timeout_s + STOP_GRACE_S)
+
+
+def required_roles(args: argparse.Namespace) -> frozenset[str]:
+    """Roles without which the stack cannot answer: prefill only when every request needs one."""
+    return frozenset({"encoder", "decode", "gateway"} | ({"prefill"} if args.placement == "disaggregated" else set()))
+
+
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    worker, gateway, serve = _load_settings()
+    args = parse_args(argv, worker, gateway, serve)
     from runtime.supported_models import UnsupportedModel, check_checkpoint
     try:
         check_checkpoint(args.model)   # before any child: one line and a non-zero exit, not N failing workers
     except (UnsupportedModel, OSError) as exc:
         print("epd serve: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
-    children: list[Child] = []
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    model_procs = args.encoders + args.prefills + args.decodes
-    threads = str(max(1, (os.cpu_count() or 1) // model_procs)) if args.device == "cpu" else "1"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", threads)
-    if args.redis_url:
-        env["EPD_REDIS_URL"] = args.redis_url
-    else:
-        env.pop("EPD_REDIS_URL", None)
-    exe = [sys.executable, "-m", "launcher.cli"]
-
-    # every worker's port first: each child gets the peer lists it may dial (runtime/peers.py)
-    plan = [(role, _free_port(args.host)) for role, count in (("encoder", args.encoders), ("prefill", args.prefills),
-                                                              ("decode", args.decodes)) for _ in range(count)]
-    for role in ("encoder", "prefill", "decode"):
-        env[f"EPD_{role.upper()}_ADDRS"] = ",".join(f"{args.host}:{port}" for r, port in plan if r == role)
-
-    def spawn(role: str, port: int, extra: list[str]) -> Child:
-        cmd = [*exe, role, "--model", args.model, "--host", args.host, "--port", str(port), *extra]
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_bind_to_parent)
-        child = Child(role, f"{args.host}:{port}", proc)
-        children.append(child)
-        return child
-
+    if args.port == 0:
+        args.port = _free_port(args.host)
+    problem = _cannot_listen(args.host, args.port)
+    if problem:   # found now, not after every worker has loaded and the gateway crashed five times
+        print(f"epd serve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 1
+    addrs = plan_addresses(args)
+    worker_env, gateway_env = child_environments(args, addrs, dict(os.environ))
+    supervisor = Supervisor(args.policy, required_roles(args))
+    restore = install_stop_signals(supervisor)
     try:
-        for role, port in plan:
-            spawn(role, port, ["--device", args.device])
-        deadline = time.monotonic() + 300
-        for child in children:
-            while not _serving(child.address):
-                if stopping or child.proc.poll() is not None or time.monotonic() > deadline:
-                    print(f"epd serve: {child.role} worker at {child.address} did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
-        addrs = {role: ",".join(c.address for c in children if c.role == role) for role in ("encoder", "prefill", "decode")}
-        gw_cmd = [*exe, "gateway", "--model", args.model, "--served-model-name", args.served_model_name,
-                  "--host", args.host, "--port", str(args.port), "--placement", args.placement,
-                  "--encoder-addrs", addrs["encoder"], "--decode-addrs", addrs["decode"]]
-        if addrs["prefill"]:
-            gw_cmd += ["--prefill-addrs", addrs["prefill"]]
-        gateway = Child("gateway", f"{args.host}:{args.port}", subprocess.Popen(gw_cmd, env=env, preexec_fn=_bind_to_parent))
-        children.append(gateway)
-        _print_table(args, children)
-        while not stopping:
-            for child in children:
-                if child.proc.poll() is not None:
-                    print(f"epd serve: {child.role} at {child.address} exited with {child.proc.returncode}; stopping",
-                          file=sys.stderr)
-                    return 1
-            time.sleep(0.3)
-        return 0
+        return supervisor.run(worker_specs(args, worker, addrs, worker_env), gateway_spec(args, gateway, gateway_env),
+                              functools.partial(_print_table, args))
     finally:
-        _shutdown(children)
+        restore()
 
 
 def _print_table(args: argparse.Namespace, children: list[Child]) -> None:
@@ -152,19 +223,5 @@ def _print_table(args: argparse.Namespace, children: list[Child]) -> None:
     print(f"OpenAI API: http://{args.host}:{args.port}/v1   (status: http://{args.host}:{args.port}/status)\n")
     print(f"{'role':<9}{'address':<24}pid")
     for c in children:
-        print(f"{c.role:<9}{c.address:<24}{c.proc.pid}")
-    print("\nCtrl-C to stop.", flush=True)
-
-
-def _shutdown(children: list[Child]) -> None:
-    """Gateway first (no new work), then workers drain; anything left after the grace is killed."""
-    for group in (["gateway"], ["encoder", "prefill", "decode"]):
-        members = [c for c in children if c.role in group and c.proc.poll() is None]
-        for c in members:
-            c.proc.send_signal(signal.SIGTERM)
-        for c in members:
-            try:
-                c.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.proc.pid}")
+    print("\nCrashed processes are restarted. Ctrl-C to stop.", flush=True)

@@ -21,6 +21,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # a worker restarted on the same address is reconnected to within about a second
+    # (gRPC's default reconnect backoff grows to 120 s while it is down)
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

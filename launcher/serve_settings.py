@@ -1,0 +1,23 @@
+"""Settings only ``epd serve`` reads, typed, from ``EPD_*`` variables (overridable by its flags).
+
+The workers' and the gateway's own settings (``runtime.settings.WorkerSettings``,
+``gateway.settings.GatewaySettings``) give serve's other defaults, so a variable means
+the same to ``epd serve`` as to the process it configures.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", env_ignore_empty=True)
+
+    # supervision: a child that exits on its own is restarted after restart_backoff_s, doubling per
+    # further exit within restart_window_s (at most restart_max_backoff_s); restart_limit exits
+    # within the window and serve gives up on it
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    restart_max_backoff_s: float = Field(default=30.0, ge=0)
+    restart_limit: int = Field(default=5, ge=1)
+    restart_window_s: float = Field(default=60.0, gt=0)

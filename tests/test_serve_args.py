@@ -1,0 +1,152 @@
+"""``epd serve``'s settings and the commands and environments it builds for its children (no processes).
+
+Every default comes from the settings classes (so from ``EPD_*``), a flag overrides it, and
+serve passes a child only what it decides itself: the gateway listens on ``EPD_HOST``, the
+workers on loopback, one metrics/bulk port each when a base port is set, the peer lists and
+the internal token everywhere, the API keys to the gateway alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.settings import GatewaySettings
+from launcher import serve
+from launcher.serve_settings import ServeSettings
+from runtime.settings import WorkerSettings
+
+
+def build(argv: list[str], environ: dict[str, str] | None = None):
+    worker, gateway, settings = serve._load_settings()
+    args = serve.parse_args(argv, worker, gateway, settings)
+    addrs = serve.plan_addresses(args)
+    worker_env, gateway_env = serve.child_environments(args, addrs, environ or {})
+    workers = serve.worker_specs(args, worker, addrs, worker_env)
+    return args, addrs, workers, serve.gateway_spec(args, gateway, gateway_env)
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("EPD_"):
+            monkeypatch.delenv(name)
+
+
+def test_every_default_comes_from_the_environment(monkeypatch):
+    for name, value in {"EPD_HOST": "0.0.0.0", "EPD_PORT": "9123", "EPD_SERVED_MODEL_NAME": "shapes",
+                        "EPD_PLACEMENT": "colocated", "EPD_MODEL": "models/demo-vlm", "EPD_REDIS_URL": "redis://r:6379/2",
+                        "EPD_RESTART_BACKOFF_S": "0.25", "EPD_RESTART_LIMIT": "7", "EPD_API_KEY": "a,b"}.items():
+        monkeypatch.setenv(name, value)
+    args, addrs, workers, gateway = build(["--decodes", "2"])
+    assert (args.host, args.port, args.served_model_name, args.placement) == ("0.0.0.0", 9123, "shapes", "colocated")
+    assert (args.policy.backoff_s, args.policy.limit) == (0.25, 7)
+    assert args.api_key == ["a", "b"]
+    assert flag(gateway.argv, "--host") == "0.0.0.0" and flag(gateway.argv, "--port") == "9123"
+    assert flag(gateway.argv, "--served-model-name") == "shapes" and flag(gateway.argv, "--placement") == "colocated"
+    assert gateway.env["EPD_API_KEY"] == "a,b"
+    assert {flag(w.argv, "--host") for w in workers} == {"127.0.0.1"}
+    assert [w.role for w in workers] == ["encoder", "prefill", "decode", "decode"]
+    for spec in [*workers, gateway]:
+        assert spec.env["EPD_REDIS_URL"] == "redis://r:6379/2"
+        assert spec.env["EPD_DECODE_ADDRS"] == ",".join(addrs["decode"])
+
+
+def test_flags_override_the_environment(monkeypatch):
+    monkeypatch.setenv("EPD_HOST", "0.0.0.0")
+    monkeypatch.setenv("EPD_PLACEMENT", "colocated")
+    monkeypatch.setenv("EPD_API_KEY", "from-env")
+    args, _, _, gateway = build(["--host", "127.0.0.2", "--placement", "disaggregated", "--api-key", "k1",
+                                 "--api-key", "k2", "--restart-window-s", "5"])
+    assert flag(gateway.argv, "--host") == "127.0.0.2" and flag(gateway.argv, "--placement") == "disaggregated"
+    assert gateway.env["EPD_API_KEY"] == "k1,k2"
+    assert args.policy.window_s == 5
+
+
+def test_children_environment(monkeypatch):
+    monkeypatch.setenv("EPD_ADVERTISE_HOST", "10.0.0.9")   # meaningless for loopback workers
+    args, addrs, workers, gateway = build(["--prefills", "0", "--decodes", "2", "--api-key", "secret-key"])
+    token = gateway.env["EPD_INTERNAL_TOKEN"]
+    assert len(token) >= 32
+    for spec in workers:
+        assert spec.env["EPD_INTERNAL_TOKEN"] == token
+        assert "EPD_API_KEY" not in spec.env
+        assert "EPD_ADVERTISE_HOST" not in spec.env
+        assert "EPD_PREFILL_ADDRS" not in spec.env                  # no prefill workers: unset, not ""
+        assert spec.env["EPD_ENCODER_ADDRS"] == addrs["encoder"][0]
+    assert len(set(addrs["decode"])) == 2
+    # a token that is set is used as it is, and each run without one gets its own
+    assert serve.child_environments(args, addrs, {"EPD_INTERNAL_TOKEN": "given-token-0123456789"})[0][
+        "EPD_INTERNAL_TOKEN"] == "given-token-0123456789"
+    assert serve.child_environments(args, addrs, {})[0]["EPD_INTERNAL_TOKEN"] != token
+
+
+def test_one_metrics_and_bulk_port_per_worker(monkeypatch):
+    monkeypatch.setenv("EPD_METRICS_PORT", "9100")
+    monkeypatch.setenv("EPD_BULK_PORT", "7000")
+    _, _, workers, _ = build(["--decodes", "2"])
+    assert [flag(w.argv, "--metrics-port") for w in workers] == ["9100", "9101", "9102", "9103"]
+    assert [flag(w.argv, "--bulk-port") for w in workers] == [None, None, "7000", "7001"]
+    monkeypatch.delenv("EPD_METRICS_PORT")
+    monkeypatch.delenv("EPD_BULK_PORT")
+    _, _, workers, _ = build([])
+    assert all("--metrics-port" not in w.argv and "--bulk-port" not in w.argv for w in workers)
+
+
+def test_stop_timeouts_follow_the_drain_timeout(monkeypatch):
+    monkeypatch.setenv("EPD_DRAIN_TIMEOUT_S", "120")
+    _, _, workers, gateway = build([])
+    assert gateway.stop_timeout_s > 120 and all(w.stop_timeout_s > 120 for w in workers)
+    assert gateway.stop_group < min(w.stop_group for w in workers)     # the gateway stops first
+
+
+def test_required_roles():
+    def roles(placement: str) -> frozenset[str]:
+        args = serve.parse_args(["--placement", placement], WorkerSettings(), GatewaySettings(), ServeSettings())
+        return serve.required_roles(args)
+
+    assert roles("disaggregated") == {"encoder", "prefill", "decode", "gateway"}
+    assert roles("conditional") == {"encoder", "decode", "gateway"}   # colocated placement still answers
+
+
+@pytest.mark.parametrize("argv", [
+    ["--placement", "disaggregated", "--prefills", "0"],
+    ["--api-key", "a,b"],
+    ["--api-key", ""],
+    ["--api-key", " padded "],
+    ["--restart-backoff-s", "5", "--restart-max-backoff-s", "1"],
+    ["--restart-limit", "0"],
+    ["--decodes", "0"],
+])
+def test_bad_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve.parse_args(argv, WorkerSettings(), GatewaySettings(), ServeSettings())
+    assert exc.value.code == 2
+
+
+def test_a_bad_environment_value_is_refused_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setenv("EPD_PORT", "not-a-port")
+    with pytest.raises(SystemExit) as exc:
+        serve._load_settings()
+    assert exc.value.code == 2
+    assert "invalid EPD_* setting" in capsys.readouterr().err
+
+
+def test_a_gateway_port_in_use_is_refused_before_anything_starts(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        assert serve.main(["--host", "127.0.0.1", "--port", str(port)]) == 1
+    assert time.monotonic() - t0 < 5, "refused at once, no worker started"
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
