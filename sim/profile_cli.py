@@ -74,7 +74,7 @@ async def _chat(client: httpx.AsyncClient, base: str, model: str, words: int, se
     text = " ".join(_FILLER[i % len(_FILLER)] for i in range(words)) + " what is in the image ?"
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _image_url(seed)}}, {"type": "text", "text": text}]}]}
-    r = await client.post(f"{base}/v1/chat/completions", json=body, headers={"x-ttft-slo-ms": "600000"})
+    r = await client.post(f"{base}/v1/chat/completions", json=body, headers={"x-ttft-slo-ms": "120000"})   # the gateway's default max_slo_ms
     r.raise_for_status()
     breakdown = json.loads(r.headers.get("x-epd-ttft-breakdown", "{}") or "{}")
     return {"prompt_tokens": r.json()["usage"]["prompt_tokens"], "breakdown": breakdown}

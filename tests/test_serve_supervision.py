@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ import httpx
 import psutil
 import pytest
 
+from cluster import DEMO_MODEL
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from runtime.demo_model.shapes import draw_shape
@@ -371,11 +373,15 @@ def test_sigterm_stops_everything_with_exit_0(stack):
 # -- 5. a worker that cannot start ---------------------------------------------------------------
 
 def test_a_worker_that_keeps_crashing_is_given_up_on_loudly(tmp_path):
-    """A model folder without a model: every worker exits at start. Serve restarts each with
-    backoff, gives up after the limit with one line naming role, address and exit codes, and,
-    with a required stage gone, stops everything and exits non-zero."""
+    """A checkpoint whose weights are missing (config, tokenizer and processor are there, so the
+    start-up check passes): every worker exits at start. Serve restarts each with backoff, gives
+    up after the limit with one line naming role, address and exit codes, and, with a required
+    stage gone, stops everything and exits non-zero."""
     empty_model = tmp_path / "not-a-model"
     empty_model.mkdir()
+    for f in DEMO_MODEL.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, empty_model / f.name)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "launcher.cli", "serve", "--model", str(empty_model), "--prefills", "0",
            "--placement", "colocated", "--port", str(_free_port()),
