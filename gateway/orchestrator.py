@@ -238,11 +238,14 @@ class Orchestrator:
     def _left_s(self, job: ChatJob) -> float:
         return max(0.001, job.ttft_deadline_s - time.monotonic())
 
-    def _rpc_failure(self, role: str, h: WorkerHandle, exc: grpc.aio.AioRpcError, job: ChatJob) -> Exception:
+    def _rpc_failure(self, role: str, h: WorkerHandle, exc: grpc.aio.AioRpcError, job: ChatJob,
+                     streaming: bool = False) -> Exception:
         """Map a failed RPC to the request's error. Only a worker that is gone (UNAVAILABLE with no
         ``epd-failure`` kind, see ``runtime/rpc_failure.py``) is marked unhealthy: a failure of one
-        request's inputs (its embeddings could not be fetched) fails that request alone."""
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= job.ttft_deadline_s:
+        request's inputs (its embeddings could not be fetched) fails that request alone. Once tokens
+        are ``streaming`` the TTFT deadline is behind the request: a worker lost then is a 503."""
+        past_ttft = not streaming and time.monotonic() >= job.ttft_deadline_s
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or past_ttft:
             return DeadlineExceeded(f"{role} did not answer before the deadline")
         kind = failure_kind(exc)
         if kind == FailureKind.EMBEDDING_FETCH:
@@ -286,6 +289,7 @@ class Orchestrator:
         colocated = decision.placement == "colocated"
         reservation = None
         attempts = 0
+        streaming = False     # the first token went out: failures from here on are mid-stream
         decode.inflight += 1  # from before Reserve: a handle dropped from discovery keeps its channel while > 0
         try:
             try:
@@ -347,6 +351,7 @@ class Orchestrator:
             first.ttft_breakdown = breakdown
             if first.finish_reason:
                 reservation = None   # the decode worker retired the sequence and freed its blocks itself
+            streaming = True
             yield first
             if first.finish_reason:
                 return
@@ -357,7 +362,7 @@ class Orchestrator:
                 if ev.finish_reason:
                     return
         except grpc.aio.AioRpcError as exc:
-            raise self._rpc_failure("decode", decode, exc, job) from exc
+            raise self._rpc_failure("decode", decode, exc, job, streaming) from exc
         finally:
             await self._release(decode, reservation, job, "request ended")
             decode.inflight -= 1
