@@ -129,15 +129,20 @@ class KVSender:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await loop.sock_connect(sock, (host, int(port)))
-            await loop.sock_sendall(sock, bulk_preamble(self._bulk_token))
+            connected = False
             async for chunk, payload in self._chunks():
+                if not connected:   # only once there is a chunk: a request queued behind others holds no idle stream
+                    await loop.sock_connect(sock, (host, int(port)))
+                    await loop.sock_sendall(sock, bulk_preamble(self._bulk_token))
+                    connected = True
                 header = chunk.SerializeToString()
                 started = time.perf_counter()
                 await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
                 await loop.sock_sendall(sock, payload)
                 if self._timings is not None:  # the link's own time for this chunk, no compute waits in it
                     self._timings.record("transfer", len(payload), (time.perf_counter() - started) * 1000)
+            if not connected:       # no chunk at all: the stream ended before prefill produced one
+                raise TransferBroken("no KV chunk was produced")
             await loop.sock_sendall(sock, _LEN.pack(0))
             size = _LEN.unpack(await self._recv_exactly(loop, sock, 4))[0]
             return pb.PushKVResponse.FromString(await self._recv_exactly(loop, sock, size))
