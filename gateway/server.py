@@ -8,6 +8,8 @@ import sys
 
 import uvicorn
 
+from runtime.supported_models import UnsupportedModel, check_checkpoint
+
 from .app import create_app
 from .orchestrator import Orchestrator
 from .settings import GatewaySettings
@@ -46,6 +48,11 @@ def parse_gateway_args(argv: list[str]) -> GatewaySettings:
 
 def main(argv: list[str]) -> int:
     settings = parse_gateway_args(argv)
+    try:
+        check_checkpoint(settings.model)   # one line and exit status 2, not a traceback from the app factory
+    except (UnsupportedModel, OSError) as exc:
+        print("epd gateway: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(settings, Orchestrator(settings))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",

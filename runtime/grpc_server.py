@@ -126,6 +126,13 @@ def run_worker(role: str, argv: list[str],
     if problem:   # before loading anything: one clear line, exit status 2
         print(f"epd {role}: {problem}", file=sys.stderr)
         return 2
+    from .supported_models import UnsupportedModel, check_checkpoint
+
+    try:
+        check_checkpoint(settings.model)   # before loading anything: one line, not a traceback
+    except (UnsupportedModel, OSError) as exc:
+        print(f"epd {role}: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
     configure_logging()
     torch.set_grad_enabled(False)
 

@@ -120,3 +120,17 @@ def test_epd_serve_exits_with_the_one_line_before_spawning(tmp_path, name):
     assert done.stdout == ""   # no worker table: nothing was started
     assert done.stderr.startswith("epd serve: unsupported model")
     assert_one_line_refusal(done.stderr, architecture, make().model_type, why)
+
+
+@pytest.mark.parametrize("role", ["encoder", "prefill", "decode", "gateway"])
+def test_a_single_process_refuses_with_the_one_line(tmp_path, role):
+    """``epd decode`` (or any one process) started by hand, as in compose and Kubernetes: the
+    same one line and exit status 2, no traceback."""
+    make, architecture, why = REFUSED["gemma3"]
+    path = checkpoint(tmp_path, make(), architecture)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", role, "--model", str(path), "--port", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"epd {role}: unsupported model"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert_one_line_refusal(done.stderr, architecture, make().model_type, why)
