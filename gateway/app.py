@@ -110,6 +110,11 @@ def _publish_body_schemas(app: FastAPI, models: list[type[BaseModel]], served_mo
         if "model" in schema.get("properties", {}):
             schema["properties"]["model"]["enum"] = [served_model]
         schemas[model.__name__] = schema
+    for schema in schemas.values():
+        # the models keep unknown fields only to refuse them by name (gateway.request_fields): to a
+        # client, a field outside the schema is not accepted (no-op values of known ones aside)
+        if schema.get("additionalProperties") is True:
+            schema["additionalProperties"] = False
     build = app.openapi
 
     def openapi() -> dict[str, Any]:

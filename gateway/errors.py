@@ -119,8 +119,8 @@ def input_path(loc: Sequence[Any], document: Any = None) -> list[str]:
     node, previous = document, None
     for part in loc:
         if isinstance(node, dict) and isinstance(part, str):
-            if isinstance(previous, int) and part == node.get("type"):
-                previous = part  # the discriminator tag of a content part
+            if isinstance(previous, int) and part in (node.get("type"), node.get("role")):
+                previous = part  # the discriminator tag of a content part (type) or a message (role)
                 continue
             path.append(part)
             if part not in node:
@@ -138,6 +138,10 @@ def input_path(loc: Sequence[Any], document: Any = None) -> list[str]:
     return path
 
 
+# custom error types of the request schema's discriminated unions -> the field that chooses the member
+DISCRIMINATOR_FIELDS = {"invalid_role": "role"}
+
+
 def validation_message(errors: Sequence[Mapping[str, Any]], document: Any = None) -> tuple[str, str | None]:
     """One readable message and the dotted ``param`` of the first error; values are never echoed."""
     if not errors:
@@ -146,6 +150,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]], document: Any = None
     loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "query", "path", "header", "cookie"):  # FastAPI names the source first
         loc = loc[1:]
+    if first.get("type") in DISCRIMINATOR_FIELDS:   # a union that could not pick a member: name the field that picks
+        loc.append(DISCRIMINATOR_FIELDS[first["type"]])
     param = ".".join(input_path(loc, document)) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     text = f"{param}: {msg}" if param else msg

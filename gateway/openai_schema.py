@@ -77,32 +77,78 @@ def _content_kind(value: Any) -> str | None:
     return None
 
 
-MessageContent = Annotated[
-    Union[Annotated[str, Tag("<string>")], Annotated[list[ContentPart], Tag("<parts>")], Annotated[None, Tag("<null>")]],
+def _content(parts: Any) -> Any:
+    """A message's ``content``: a string or a list of ``parts``, with one clear error otherwise."""
+    return Annotated[
+        Union[Annotated[str, Tag("<string>")], Annotated[list[parts], Tag("<parts>")]],
+        Discriminator(
+            _content_kind,
+            custom_error_type="invalid_content",
+            custom_error_message="content must be a string or a list of content parts",
+        ),
+    ]
+
+
+def _part_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind == "text" else None
+
+
+TextOnlyPart = Annotated[
+    Union[Annotated[TextPart, Tag("text")]],
+    Discriminator(_part_type, custom_error_type="invalid_part",
+                  custom_error_message="only text parts are allowed here: image_url parts only in user messages"),
+]
+TextContent = _content(TextOnlyPart)
+UserContent = _content(ContentPart)
+
+
+class _Message(_Strict):
+    def image_parts(self) -> list[ImagePart]:
+        content = getattr(self, "content", None)
+        if isinstance(content, list):
+            return [p for p in content if isinstance(p, ImagePart)]
+        return []
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: TextContent
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+    content: TextContent
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: UserContent           # the only role that may carry images
+
+
+class AssistantTurn(_Message):
+    """An earlier assistant turn of the conversation (content may be null)."""
+
+    role: Literal["assistant"]
+    content: TextContent | None = None
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return role if role in ("system", "developer", "user", "assistant") else None
+
+
+# One model per role, as in OpenAI's own schema: what each role may carry is in the published
+# OpenAPI document (content required but for the assistant, images only from the user).
+ChatMessage = Annotated[
+    Union[Annotated[SystemMessage, Tag("system")], Annotated[DeveloperMessage, Tag("developer")],
+          Annotated[UserMessage, Tag("user")], Annotated[AssistantTurn, Tag("assistant")]],
     Discriminator(
-        _content_kind,
-        custom_error_type="invalid_content",
-        custom_error_message="content must be a string or a list of content parts",
+        _role,
+        custom_error_type="invalid_role",
+        custom_error_message="role must be one of 'system', 'developer', 'user', 'assistant'",
     ),
 ]
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: MessageContent = None
-
-    @model_validator(mode="after")
-    def _content_fits_role(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for a {self.role} message")
-        if self.role != "user" and isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
-            raise ValueError(f"image_url parts are only allowed in user messages, not {self.role}")
-        return self
-
-    def image_parts(self) -> list[ImagePart]:
-        if isinstance(self.content, list):
-            return [p for p in self.content if isinstance(p, ImagePart)]
-        return []
 
 
 class StreamOptions(_Strict):
