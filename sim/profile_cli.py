@@ -201,9 +201,10 @@ class _Samples:
 
 
 async def profile(base: str, prompt_words: list[int], batches: list[int], repeats: int,
-                  host_cores: int | None = None) -> st.ServiceTimesFile:
+                  host_cores: int | None = None, api_key: str | None = None) -> st.ServiceTimesFile:
     tables: dict[str, list[tuple[float, float]]] = {name: [] for name in st.TABLE_NAMES}
-    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=600, trust_env=False, headers=headers) as client:
         model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
         workers = (await client.get(f"{base}/status")).json()
         roles = [(role, w["address"]) for role in _STUBS for w in workers.get(role, []) if w.get("healthy")]
@@ -316,6 +317,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batches", default="1,4,8", help="comma-separated concurrent request counts")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--host-cores", type=int, help="cores the stack shares (default: this machine's when the gateway is local, else 0)")
+    p.add_argument("--api-key", default=(os.environ.get("EPD_API_KEY") or "").split(",")[0].strip() or None,
+                   help="the gateway's API key, when it has keys (default: the first of EPD_API_KEY); the workers' "
+                        "Stats need the stack's EPD_INTERNAL_TOKEN in this process's environment")
     args = p.parse_args(argv)
     try:
         words = [int(x) for x in args.prompt_words.split(",") if x]
@@ -323,7 +327,8 @@ def main(argv: list[str]) -> int:
     except ValueError:
         p.error("--prompt-words and --batches take comma-separated integers")
     try:
-        content = asyncio.run(profile(args.base.rstrip("/"), words, batches, max(1, args.repeats), args.host_cores))
+        content = asyncio.run(profile(args.base.rstrip("/"), words, batches, max(1, args.repeats), args.host_cores,
+                                      args.api_key))
     except (httpx.HTTPError, grpc.aio.AioRpcError) as exc:
         print(f"epd profile: the stack at {args.base} did not answer: {exc}", file=sys.stderr)
         return 1
