@@ -28,7 +28,7 @@ from cluster import DEMO_MODEL, Cluster
 from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, PreparedImage
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
-from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
+from leaks import LONG_LEASES, SETTLE_S, LeakCheck, orchestrator_counters
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import draw_shape
@@ -177,7 +177,9 @@ async def test_prefill_crash_reprefills_on_another_worker(cluster, processor):
 
 async def test_encoder_stall_fails_by_the_deadline_in_both_placements(cluster, processor):
     deadline_s = 3.0
-    cluster.start("encoder", "--faults", f"stall_encoder_ms={int((deadline_s + 1) * 1000)}")
+    # the stalled encode outlives the leak check: only the cancellation path can have cleared the
+    # encoder's single-flight entry and queue (a compute that finished would hide a leak)
+    cluster.start("encoder", "--faults", f"stall_encoder_ms={int((deadline_s + SETTLE_S + 4) * 1000)}")
     cluster.start("decode", env=LONG_LEASES)
     cluster.start("prefill")
     cluster.wait_healthy()
