@@ -46,6 +46,11 @@ class EncoderCache(Protocol):
         """True while entries written now are readable by other processes (advisory)."""
         ...
 
+    @property
+    def in_flight(self) -> int:
+        """Keys with a single-flight computation in progress in this process (0 when idle)."""
+        ...
+
     async def get(self, key: str) -> torch.Tensor | None: ...
 
     async def put(self, key: str, tensor: torch.Tensor) -> bool:

@@ -40,6 +40,10 @@ class MemoryEncoderCache:
     def shared(self) -> bool:
         return False
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
     async def get(self, key: str) -> torch.Tensor | None:
         check_key(key)
         self._counters.query()
@@ -86,7 +90,7 @@ class MemoryEncoderCache:
             "bytes": self._lru.nbytes,
             "max_bytes": self._lru.max_bytes,
             "expirations": self._lru.expirations,
-            "in_flight": len(self._flights),
+            "in_flight": self.in_flight,
             "shared": False,
             **self._counters.as_dict(),
         }

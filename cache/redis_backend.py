@@ -111,6 +111,10 @@ class RedisEncoderCache:
     def shared(self) -> bool:
         return self._health.up
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
     @staticmethod
     def _set_up(up: bool) -> None:
         REDIS_UP.set(1 if up else 0)
@@ -322,7 +326,7 @@ class RedisEncoderCache:
             "bytes": self._lru.nbytes,
             "max_bytes": self._lru.max_bytes,
             "expirations": self._lru.expirations,
-            "in_flight": len(self._flights),
+            "in_flight": self.in_flight,
             "shared": self._health.up,
             "redis_up": self._health.up,
             **self._counters.as_dict(),

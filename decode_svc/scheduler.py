@@ -82,13 +82,14 @@ class Sequence:
 class DecodeScheduler:
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 64,
                  prefill_token_budget: int = 256, on_retire: Callable[[Sequence, str], None] | None = None,
-                 timings: TimingLog | None = None):
+                 timings: TimingLog | None = None, step_delay_s: float = 0.0):
         self.adapter = adapter
         self.pool = pool
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
         self.on_retire = on_retire or (lambda seq, reason: None)
         self.timings = timings or TimingLog()
+        self.step_delay_s = step_delay_s   # fault injection (``delay_step_ms``): every step waits first
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
         self.max_observed_batch = 0
@@ -143,6 +144,9 @@ class DecodeScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)   # untimed: the fits see the real forward
+                self._drop_cancelled()
             try:
                 await self._step()
             except Exception as exc:  # a failed step fails its sequences, never the worker

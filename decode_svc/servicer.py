@@ -73,7 +73,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.table = ReservationTable(pool, lease_margin_s, max_lease_s)
         self.receiver = KVReceiver(self.table, pool)
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
-                                         on_retire=self._on_retire, timings=self.timings)
+                                         on_retire=self._on_retire, timings=self.timings,
+                                         step_delay_s=self.faults.amount("delay_step_ms") / 1000)
         self.address = ""
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self.serving = True

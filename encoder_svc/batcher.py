@@ -33,7 +33,8 @@ class EncodeBatcher:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._pending)
+        """Images waiting for a batch whose submitter still waits (a cancelled one is dropped unencoded)."""
+        return sum(1 for _, fut in self._pending if not fut.cancelled())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="encode-batcher")

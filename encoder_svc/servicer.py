@@ -95,7 +95,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         await self.cache.close()
 
     def local_stats(self) -> dict[str, int]:
-        return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight}
+        return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight,
+                "single_flight_in_flight": self.cache.in_flight}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         samples = self.batcher.timings.since(request.since_sample)
@@ -105,4 +106,5 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
             last_sample=self.batcher.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
             max_batch=self.batcher.max_observed_batch, preprocess_digest=self.preprocess_digest,
+            single_flight_in_flight=self.cache.in_flight,
         )

@@ -105,8 +105,10 @@ class Orchestrator:
         return self.pressure.shed_estimate_ms()
 
     def status(self) -> dict:
+        """Workers as the registry sees them (each with this gateway's ``inflight_from_gateway``),
+        plus ``waiting_first_token``: requests admitted here that have no first token yet."""
         return {**self.registry.status(), "placement_mode": self.settings.placement,
-                "cost_model": self.cost_model.calibration()}
+                "cost_model": self.cost_model.calibration(), "waiting_first_token": self.pressure.waiting}
 
     def _publish_queue_depths(self) -> None:
         """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""

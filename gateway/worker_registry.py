@@ -63,9 +63,10 @@ class WorkerHandle:
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,
                            max_batch_observed=s.max_batch, lease_reaped_total=s.lease_reaped_total)
             elif self.role == "encoder":
-                out.update(computes=s.computes, cache_hits=s.cache_hits)
+                out.update(computes=s.computes, cache_hits=s.cache_hits, single_flight_in_flight=s.single_flight_in_flight)
             elif self.role == "prefill":
-                out.update(queued_prefill_tokens=s.queued_prefill_tokens, max_batch_observed=s.max_batch)
+                out.update(queued_prefill_tokens=s.queued_prefill_tokens, max_batch_observed=s.max_batch,
+                           free_blocks=s.free_blocks, total_blocks=s.total_blocks)
         return out
 
 
@@ -107,7 +108,7 @@ class WorkerRegistry:
             # bounded: a cancel that lands inside a redis-py call can be swallowed; the flag ends the loop
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._task, 5.0)
-        for h in [*(h for handles in self.workers.values() for h in handles.values()), *self._leaving]:
+        for h in self.handles():
             await h.channel.close()
         if self._redis is not None:
             with contextlib.suppress(Exception):
@@ -165,6 +166,10 @@ class WorkerRegistry:
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [h for h in self.workers[role].values() if h.healthy]
+
+    def handles(self) -> list[WorkerHandle]:
+        """Every handle with an open channel: the listed ones and those still leaving."""
+        return [*(h for handles in self.workers.values() for h in handles.values()), *self._leaving]
 
     def get(self, role: str, address: str) -> WorkerHandle | None:
         return self.workers[role].get(address)

@@ -12,6 +12,8 @@ delay_chunk_ms=x    prefill each chunk is delayed by x ms before sending
 fail_transfer=p     prefill the KV stream is broken off before the last chunk
 crash_prefill=p     prefill the prefill process exits mid-prefill (os._exit)
 stall_encoder_ms=x  encoder each encode waits x ms first
+delay_step_ms=x     decode  each scheduler step (decode tokens, colocated prefill chunks)
+                            waits x ms before its forward (a slow decode worker)
 seed=n              all     seeds the coin flips (reproducible tests)
 ==================  ======  ==================================================
 """
@@ -23,7 +25,7 @@ import random
 from proto.epd.v1 import epd_pb2 as pb
 
 _KNOWN = {"drop_chunk", "corrupt_chunk", "dup_chunk", "delay_chunk_ms", "fail_transfer", "crash_prefill",
-          "stall_encoder_ms", "seed"}
+          "stall_encoder_ms", "delay_step_ms", "seed"}
 
 
 class FaultSpecError(ValueError):

@@ -25,6 +25,7 @@ _GAUGES = {
     "running_seqs": "Sequences in the running batch",
     "queue_depth": "Requests queued at this worker",
     "in_flight": "Requests in flight at this worker",
+    "single_flight_in_flight": "Encoder-cache single-flight computations in progress",
 }
 
 

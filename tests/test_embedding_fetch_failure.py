@@ -7,7 +7,8 @@ gateway's stub for that encoder that kills the process after the real reply), so
 the worker that then fetches the embedding by key — decode when colocated, prefill
 when disaggregated — finds that encoder gone. That request must end in a clean 503
 that names the embedding fetch; the fetching worker must stay healthy in the
-gateway's registry and serve the next request correctly, and nothing stays held.
+gateway's registry and serve the next request correctly, and nothing stays held
+(``tests/leaks.py``, the killed encoders left out by name; leases outlast the test).
 
 The registry does not poll on its own here (``poll_s`` is huge): health changes only
 through the orchestrator's own verdicts, so "still healthy" means the gateway did
@@ -29,7 +30,7 @@ from transformers import AutoProcessor
 from gateway.chat_backend import BackendFailure, ChatJob, PreparedImage
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
-from proto.epd.v1 import epd_pb2 as pb
+from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 from runtime.demo_model.shapes import draw_shape
 from runtime.sampling import SamplingParams
 
@@ -48,7 +49,7 @@ def stack(tmp_path_factory):
         cluster.start("encoder")                     # the stable one
         for _ in PLACEMENTS:                         # one to kill per test, known to every peer list
             cluster.start("encoder")
-        cluster.start("decode")
+        cluster.start("decode", env=LONG_LEASES)
         cluster.start("prefill")
         cluster.wait_healthy()
         yield cluster
@@ -102,6 +103,8 @@ async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_st
                                decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8)
     orch = Orchestrator(settings)
     orch.registry.poll_s = 3600.0         # no background polls: only the orchestrator's verdicts change health
+    killed = encoders[1: 2 + PLACEMENTS.index(placement)]   # this test's doomed encoder and any earlier one
+    check = LeakCheck.of_cluster(stack, exclude=[e.address for e in killed], gateways=[orchestrator_counters(orch)]).begin()
     await orch.start()
     try:
         registry = orch.registry
@@ -125,15 +128,6 @@ async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_st
         job, answer = make_job(processor, seed=41)
         assert await run(orch, processor, job) == answer       # the same workers serve the next request
 
-        end = time.monotonic() + 5
-        while True:                            # releases are asynchronous: poll briefly
-            await registry.refresh()
-            d = registry.get("decode", decode.address).stats
-            held = (d.reservations_active, d.pending_chunks, d.running_seqs, d.total_blocks - d.free_blocks)
-            if held == (0, 0, 0, 0) or time.monotonic() > end:
-                break
-            await asyncio.sleep(0.1)
-        assert held == (0, 0, 0, 0)
-        assert d.lease_reaped_total == 0, "the failed request's blocks were left to the lease reaper"
+        await check.settled()                  # the failed request freed everything itself, not the reaper
     finally:
         await orch.close()

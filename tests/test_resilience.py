@@ -9,8 +9,10 @@
   found without restarting the gateway.
 
 One set of workers is shared by the module (starting a worker costs seconds of CPU); every test
-first makes sure the workers it needs are alive, and afterwards every live decode worker must
-hold no reservation and no pending chunk. A transfer in flight is made slow on purpose: the
+first makes sure the workers it needs are alive, and afterwards nothing is held anywhere
+(``tests/leaks.py``: every worker but the ones the test killed or stopped, which it names;
+the gateways' counters; the encoder cache's Redis locks; decode leases outlast the module,
+so the lease reaper cannot hide a leak). A transfer in flight is made slow on purpose: the
 prefill worker delays every KV chunk by 400 ms and the gateway cuts prompts into 4-token chunks.
 
 All workers register in their own Redis database (not 0), so other test modules' workers,
@@ -33,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster import DEMO_MODEL, ROOT, Cluster, Worker, worker_env
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
+from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.discovery import list_workers
@@ -54,20 +57,28 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # -- workers ----------------------------------------------------------------------------------
 
 class Workers:
-    """The module's worker processes; a worker can be (re)started on a given port."""
+    """The module's worker processes; a worker can be (re)started on a given port. A test names
+    each worker it kills or stops (``gone``) and each gateway it builds (``orchestrators``), so
+    the leak check after it knows what to leave out and which counters to read."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self._n = 0
+        self.gone: list[Worker] = []
+        self.orchestrators: list[Orchestrator] = []
+
+    @staticmethod
+    def _env(role: str) -> dict[str, str]:
+        return {**ENV, **(LONG_LEASES if role == "decode" else {})}
 
     def start(self, role: str, *extra: str, port: int | None = None) -> Worker:
         if port is None:
-            return self.cluster.start(role, "--redis-url", REDIS_URL, *extra, env=ENV)
+            return self.cluster.start(role, "--redis-url", REDIS_URL, *extra, env=self._env(role))
         self._n += 1
         log_path = self.cluster.tmp / f"{role}-{port}-restart{self._n}.log"
         cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
                "--port", str(port), "--redis-url", REDIS_URL, *self.cluster.peer_flags(role), *extra]
-        env = worker_env(self.cluster.token, ENV)
+        env = worker_env(self.cluster.token, self._env(role))
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
         w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
         self.cluster.workers.append(w)
@@ -84,8 +95,15 @@ class Workers:
                 started.append(self.start(role, *(SLOW_PREFILL if role == "prefill" else ())))
         wait_serving(started)
 
-    def forget_dead(self) -> None:
-        self.cluster.workers = [w for w in self.cluster.workers if w.proc.poll() is None]
+    def kill(self, w: Worker, sig: int = signal.SIGKILL) -> None:
+        """Signal ``w`` on purpose: it is left out of the leak check from now on."""
+        self.gone.append(w)
+        w.proc.send_signal(sig)
+
+    def forget_gone(self) -> None:
+        self.cluster.workers = [w for w in self.cluster.workers if not any(w is g for g in self.gone)]
+        self.gone.clear()
+        self.orchestrators.clear()
 
 
 def wait_serving(workers: list[Worker], timeout_s: float = 90.0) -> None:
@@ -126,36 +144,30 @@ def workers(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def nothing_held(workers):
-    """After every test: every live decode worker holds no reservation and no pending chunk."""
+    """After every test: nothing held on any worker the test did not kill, nor by its gateways."""
+    check = LeakCheck.of_cluster(workers.cluster, redis_url=REDIS_URL).begin()
     yield
-    end = time.monotonic() + 10.0
-    while True:
-        held = []
-        for w in workers.live("decode"):
-            try:
-                s = decode_stats(w.address)
-            except grpc.RpcError as exc:
-                held.append((w.address, f"Stats failed: {exc.code().name}"))
-                continue
-            if s.reservations_active or s.pending_chunks:
-                held.append((w.address, s.reservations_active, s.pending_chunks))
-        if not held:
-            break
-        if time.monotonic() > end:
-            pytest.fail(f"decode workers still hold state after the test: {held}")
-        time.sleep(0.2)
-    workers.forget_dead()
+    check.exclude(*workers.gone)
+    check.gateways = [orchestrator_counters(o) for o in workers.orchestrators]
+    try:
+        check.assert_settled()
+    finally:
+        workers.forget_gone()
 
 
 # -- gateway helpers ----------------------------------------------------------------------------
 
 def static_orchestrator(workers: Workers, chunk: int) -> Orchestrator:
     addrs = {f"{r}_addrs": [w.address for w in workers.live(r)] for r in ("encoder", "prefill", "decode")}
-    return Orchestrator(GatewaySettings(**addrs, placement="disaggregated", prefill_chunk_tokens=chunk))
+    orch = Orchestrator(GatewaySettings(**addrs, placement="disaggregated", prefill_chunk_tokens=chunk))
+    workers.orchestrators.append(orch)
+    return orch
 
 
-def discovery_orchestrator(chunk: int) -> Orchestrator:
-    return Orchestrator(GatewaySettings(redis_url=REDIS_URL, placement="disaggregated", prefill_chunk_tokens=chunk))
+def discovery_orchestrator(workers: Workers, chunk: int) -> Orchestrator:
+    orch = Orchestrator(GatewaySettings(redis_url=REDIS_URL, placement="disaggregated", prefill_chunk_tokens=chunk))
+    workers.orchestrators.append(orch)
+    return orch
 
 
 def track_decode_choices(orch: Orchestrator) -> list[str]:
@@ -231,7 +243,7 @@ async def test_decode_killed_mid_request_is_routed_around_and_taken_back(workers
         assert not task.done(), "the request should still be in its slowed transfer"
         victim = worker_at(workers, "decode", victim_addr)
         port = int(victim_addr.rsplit(":", 1)[1])
-        victim.proc.send_signal(signal.SIGKILL)
+        workers.kill(victim)
         victim.proc.wait()
         replacement = workers.start("decode", port=port)  # loads while the rest of the test runs
 
@@ -274,7 +286,7 @@ async def test_decode_killed_mid_request_is_routed_around_and_taken_back(workers
 
 async def test_decode_sigterm_drains_the_request_in_flight(workers, processor):
     workers.ensure({"encoder": 1, "decode": 2, "prefill": 1})
-    orch = discovery_orchestrator(SLOW_CHUNK)        # deregistration must not cut the request either
+    orch = discovery_orchestrator(workers, SLOW_CHUNK)   # deregistration must not cut the request either
     await orch.start()
     try:
         mine = {w.address for w in workers.live("decode")}
@@ -285,7 +297,7 @@ async def test_decode_sigterm_drains_the_request_in_flight(workers, processor):
         await asyncio.sleep(0.5)
         assert not task.done()
         draining = worker_at(workers, "decode", address)
-        draining.proc.send_signal(signal.SIGTERM)
+        workers.kill(draining, signal.SIGTERM)
 
         await until(lambda: health(address) == NOT_SERVING, 3.0, "health NOT_SERVING after SIGTERM")
         assert not task.done(), "NOT_SERVING must come before the accepted request ends"
@@ -303,7 +315,7 @@ async def test_decode_sigterm_drains_the_request_in_flight(workers, processor):
 async def test_discovery_through_redis(workers, processor):
     workers.ensure({"encoder": 1, "decode": 1, "prefill": 1})
     new_replica = workers.start("decode")             # loads while the gateway finds the others
-    orch = discovery_orchestrator(FAST_CHUNK)
+    orch = discovery_orchestrator(workers, FAST_CHUNK)
     await orch.start()
     try:
         listed = lambda role: {h.address for h in orch.registry.workers[role].values()}  # noqa: E731
@@ -321,7 +333,7 @@ async def test_discovery_through_redis(workers, processor):
 
         # a killed replica's key expires within a few heartbeats and it leaves the gateway's status
         victim = old[0]
-        victim.proc.send_signal(signal.SIGKILL)
+        workers.kill(victim)
         victim.proc.wait()
         redis = orch.registry._redis
         gone_in = await until_async(lambda: _absent(redis, victim.address), 6 * HEARTBEAT_S + 1.0, "the killed worker's key expired")
@@ -352,7 +364,7 @@ async def until_async(predicate, timeout_s: float, what: str) -> float:
 
 async def test_prefill_sigterm_finishes_the_prefill_in_flight(workers, processor):
     workers.ensure({"encoder": 1, "decode": 1, "prefill": 1})
-    orch = discovery_orchestrator(SLOW_CHUNK)
+    orch = discovery_orchestrator(workers, SLOW_CHUNK)
     await orch.start()
     try:
         prefill = workers.live("prefill")[0]
@@ -364,7 +376,7 @@ async def test_prefill_sigterm_finishes_the_prefill_in_flight(workers, processor
         assert await in_flight_on(orch, "prefill") == prefill.address
         await asyncio.sleep(0.5)
         assert not task.done()
-        prefill.proc.send_signal(signal.SIGTERM)
+        workers.kill(prefill, signal.SIGTERM)
 
         await until(lambda: health(prefill.address) == NOT_SERVING, 3.0, "prefill health NOT_SERVING after SIGTERM")
         assert not task.done(), "NOT_SERVING must come before the prefill in flight ends"

@@ -255,7 +255,7 @@ async def test_a_gateway_without_the_token_serves_nothing(stack, processor) -> N
     try:
         assert not orch.healthy(), "every Stats poll is refused, so no worker counts as healthy"
         job, _ = make_job(processor, 8, 10.0)
-        assert (await run_job(orch, processor, job))[0] == "failed"
+        assert (await run_job(orch, processor, job))[0] == "refused"   # no healthy worker: 503 before any work
     finally:
         await orch.close()
 
