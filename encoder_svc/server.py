@@ -7,10 +7,10 @@ import sys
 
 from cache import open_encoder_cache
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, run_worker
-from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings
+from runtime.worker.faults import FaultInjector
+from runtime.worker.grpc_server import WorkerServer, run_worker
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.settings import WorkerSettings
 
 from .batcher import EncodeBatcher
 from .servicer import EncoderServicer

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.internal_auth import validate_token
+from runtime.worker.internal_auth import validate_token
 
 MiB = 1 << 20
 

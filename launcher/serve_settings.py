@@ -1,6 +1,6 @@
 """Settings only ``epd serve`` reads, typed, from ``EPD_*`` variables (overridable by its flags).
 
-The workers' and the gateway's own settings (``runtime.settings.WorkerSettings``,
+The workers' and the gateway's own settings (``runtime.worker.settings.WorkerSettings``,
 ``gateway.settings.GatewaySettings``) give serve's other defaults, so a variable means
 the same to ``epd serve`` as to the process it configures.
 """

@@ -42,7 +42,7 @@ from bisect import insort
 from collections import deque
 from typing import Any
 
-from runtime.placement_policy import DecodeWorkerLoad
+from runtime.policy.placement_policy import DecodeWorkerLoad
 from sim.events import EventQueue
 from sim.host_cpu import HostCpu, ignore
 

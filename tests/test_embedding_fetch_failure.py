@@ -31,7 +31,7 @@ from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.demo_model.shapes import draw_shape
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -22,7 +22,7 @@ from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, Dead
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from runtime.demo_model.shapes import draw_shape
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 
 DEADLINE_S = 6.0
 MARGIN_S = 2.0

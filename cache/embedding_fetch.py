@@ -22,9 +22,9 @@ from pydantic import SecretStr
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 
-from .internal_auth import open_channel
-from .peers import PeerDirectory, PeerRole, UnknownPeerError
-from .wire import tensor_from_pb
+from runtime.worker.internal_auth import open_channel
+from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
+from runtime.worker.wire import tensor_from_pb
 
 log = logging.getLogger("epd.embeddings")
 

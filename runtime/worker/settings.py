@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .internal_auth import validate_token
+from runtime.worker.internal_auth import validate_token
 
 DEFAULT_PORTS = {"encoder": 50051, "prefill": 50052, "decode": 50053}
 
