@@ -22,7 +22,7 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]:
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images)
+                                      max_images=settings.max_images_per_request)
     pool = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                           device=settings.device)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,

@@ -19,7 +19,7 @@ from .servicer import PrefillServicer
 
 async def build(settings: WorkerSettings) -> tuple[WorkerServer, PrefillServicer]:
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images)
+                                      max_images=settings.max_images_per_request)
     scratch = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                              device=settings.device)
     scheduler = PrefillScheduler(adapter, scratch, model_fingerprint=adapter.model_fingerprint,

@@ -24,42 +24,45 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore",
                                       hide_input_in_errors=True)   # errors never echo EPD_INTERNAL_TOKEN
 
-    model: str = "models/demo-vlm"
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(default=0, ge=0, le=65535)           # 0 => the role's default
-    advertise_host: str | None = None
-    redis_url: str | None = None
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    heartbeat_s: float = Field(default=2.0, gt=0)
+    model: str = Field(default="models/demo-vlm", description="model directory (a Hugging Face checkpoint)")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="`cpu` or `cuda`")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="weights and KV dtype (default: the checkpoint's)")
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=0, ge=0, le=65535,
+                      description="listening port (workers: 0 means the role's default, encoder 50051, prefill 50052, decode 50053)")
+    advertise_host: str | None = Field(default=None, description="address others reach this worker at (default: the bind host, or this host's IP when bound to 0.0.0.0)")
+    redis_url: str | None = Field(default=None, description="Redis for discovery and the shared encoder cache (unset: static lists, in-process cache)")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="worker Prometheus metrics port (unset: none)")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="graceful drain on SIGTERM, seconds")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="Redis registration heartbeat, seconds (the entry lives three)")
     # encoder
-    encoder_max_batch: int = Field(default=16, ge=1)
-    encoder_batch_window_ms: float = Field(default=3.0, ge=0)
-    cache_max_mb: int = Field(default=256, ge=1)
-    cache_ttl_s: int = Field(default=3600, ge=1)
-    max_images: int = Field(default=4, ge=0)
+    encoder_max_batch: int = Field(default=16, ge=1, description="encoder: images per vision-tower batch")
+    encoder_batch_window_ms: float = Field(default=3.0, ge=0, description="encoder: how long a batch waits for more images")
+    cache_max_mb: int = Field(default=256, ge=1, description="encoder cache: in-process tier bound, MiB")
+    cache_ttl_s: int = Field(default=3600, ge=1, description="encoder cache: entry lifetime since last use, seconds")
+    max_images_per_request: int = Field(default=4, ge=0, description="images one request may carry (the gateway refuses more with 400)")
     # prefill
-    prefill_chunk_tokens: int = Field(default=256, ge=1)
-    prefill_max_batch: int = Field(default=8, ge=1)
+    prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
+    prefill_max_batch: int = Field(default=8, ge=1, description="prefill: prompts packed into one forward")
     # decode
-    kv_memory_mb: int = Field(default=256, ge=1)
-    kv_block_size: int = Field(default=16, ge=1)
-    decode_max_batch: int = Field(default=64, ge=1)
-    lease_margin_s: float = Field(default=10.0, ge=0)
-    max_lease_s: float = Field(default=300.0, gt=0)        # cap on any lease, whatever deadline a caller sends
-    kv_transport: Literal["bulk", "grpc"] = "bulk"   # bulk: raw TCP beside gRPC for KV bytes
-    bulk_port: int = Field(default=0, ge=0, le=65535)   # 0: any free port (advertised in Reserve)
-    bulk_idle_timeout_s: float = Field(default=30.0, gt=0)   # a bulk peer silent this long is closed
-    # fault injection (off by default; see runtime/faults.py)
-    faults: str = ""
-    # security (runtime/internal_auth.py, runtime/peers.py): the token every worker RPC and bulk
-    # stream must carry, and the only peers this worker dials (plus the Redis registry)
-    internal_token: SecretStr | None = None
-    allow_unauthenticated: bool = False
-    encoder_addrs: AddressList = Field(default_factory=list)
-    decode_addrs: AddressList = Field(default_factory=list)
+    kv_memory_mb: int = Field(default=256, ge=1, description="decode: KV block pool budget, MiB")
+    kv_block_size: int = Field(default=16, ge=1, description="decode: tokens per KV block")
+    decode_max_batch: int = Field(default=64, ge=1, description="decode: sequences per step")
+    lease_margin_s: float = Field(default=10.0, ge=0, description="decode: a reservation's lease is its deadline plus this")
+    max_lease_s: float = Field(default=300.0, gt=0,
+                               description="decode: the longest a reservation may hold blocks before it is used, whatever deadline a caller sends")
+    kv_transport: Literal["bulk", "grpc"] = Field(
+        default="bulk", description="decode: `bulk` accepts KV on a raw TCP path beside gRPC, `grpc` only over PushKV")
+    bulk_port: int = Field(default=0, ge=0, le=65535, description="decode: bulk KV port (0: any free port, advertised in Reserve)")
+    bulk_idle_timeout_s: float = Field(default=30.0, gt=0, description="decode: a bulk KV stream silent this long is closed")
+    faults: str = Field(default="", description="fault injection spec, e.g. `drop_chunk=0.2,seed=1` (tests only; runtime/worker/faults.py)")
+    # security (runtime/worker/internal_auth.py, runtime/worker/peers.py): the token every worker RPC
+    # and bulk stream must carry, and the only peers this worker dials (plus the Redis registry)
+    internal_token: SecretStr | None = Field(default=None, description="shared secret every worker RPC and bulk KV stream must carry")
+    allow_unauthenticated: bool = Field(default=False, description="let a worker listen beyond loopback without a token (trusted networks only)")
+    encoder_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
+    decode_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
 
     @field_validator("internal_token", mode="before")
     @classmethod
