@@ -165,11 +165,6 @@ class DecodeWorker:
         self.local_q.append(req)
         self.wake(now)
 
-    def submit_local(self, req: Any, now: float) -> None:
-        """Claim and queue at once."""
-        self.claim_local(req)
-        self.queue_local(req, now)
-
     # ---- scheduling ----------------------------------------------------------------
 
     def wake(self, now: float) -> None:
