@@ -46,9 +46,9 @@ class Batch:
     def __init__(self, adapter, batch: int, context: int, max_steps: int, block_size: int):
         import torch
 
-        from runtime.kv_pool import KVBlockPool
-        from runtime.model_adapter import DecodeInput
-        from runtime.sampling import SamplingParams
+        from runtime.model.kv_pool import KVBlockPool
+        from runtime.model.model_adapter import DecodeInput
+        from runtime.model.sampling import SamplingParams
 
         layout = adapter.kv_layout
         per_seq = context + max_steps + 1
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from runtime.model_adapter import VLMAdapter
+    from runtime.model.model_adapter import VLMAdapter
 
     torch.set_grad_enabled(False)
     if args.threads:

@@ -98,7 +98,7 @@ def grpc_raw_server(port: int) -> None:
     """Child process: a grpc.aio server (same options as the workers) whose one method counts raw bytes."""
     import grpc
 
-    from runtime.wire import GRPC_OPTIONS
+    from runtime.worker.wire import GRPC_OPTIONS
 
     async def push(request_iterator, context) -> bytes:
         n = 0
@@ -165,8 +165,8 @@ def frame_chunks(kv, chunk_tokens: int, layout, fingerprint: str):
     import torch
 
     from proto.epd.v1 import epd_pb2 as pb
-    from runtime.tensor_bytes import dtype_name
-    from runtime.wire import payload_checksum
+    from runtime.model.tensor_bytes import dtype_name
+    from runtime.worker.wire import payload_checksum
 
     n = kv.shape[2]
     msgs, checksum_s, frame_s = [], 0.0, 0.0
@@ -214,8 +214,8 @@ async def bulk_push(stub, msgs, n_tokens: int, fingerprint: str) -> float:
     """One timed handoff over the bulk TCP path with the prefill worker's own ``KVSender``."""
     from prefill_svc.kv_sender import KVSender
     from proto.epd.v1 import epd_pb2 as pb
-    from runtime.faults import FaultInjector
-    from runtime.internal_auth import token_from_env
+    from runtime.worker.faults import FaultInjector
+    from runtime.worker.internal_auth import token_from_env
 
     res = await stub.Reserve(pb.ReserveRequest(request_id="bench", prompt_tokens=n_tokens, max_tokens=1,
                                                deadline_unix_ms=int((time.time() + 600) * 1000),
@@ -248,9 +248,9 @@ def breakdown(kv, msgs, layout, block_size: int = 16, reps: int = 3) -> dict[str
     import torch
 
     from proto.epd.v1 import epd_pb2 as pb
-    from runtime.kv_pool import KVBlockPool
-    from runtime.tensor_bytes import dtype_from_name
-    from runtime.wire import payload_checksum
+    from runtime.model.kv_pool import KVBlockPool
+    from runtime.model.tensor_bytes import dtype_from_name
+    from runtime.worker.wire import payload_checksum
 
     n_tokens = kv.shape[2]
     out: dict[str, float] = {}
@@ -315,9 +315,9 @@ async def run_grpc_side(address: str, args, results: dict, socket_port: int, raw
 
     from proto.epd.v1 import epd_pb2 as pb
     from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-    from runtime.internal_auth import open_channel, token_from_env
-    from runtime.kv_pool import KVLayout
-    from runtime.wire import GRPC_OPTIONS
+    from runtime.worker.internal_auth import open_channel, token_from_env
+    from runtime.model.kv_pool import KVLayout
+    from runtime.worker.wire import GRPC_OPTIONS
 
     async with open_channel(address, token_from_env()) as ch, \
             grpc.aio.insecure_channel(raw_address, options=GRPC_OPTIONS) as raw_ch:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.placement_policy import MODES  # noqa: E402
+from runtime.policy.placement_policy import MODES  # noqa: E402
 from sim.config import SimConfig  # noqa: E402
 from sim.report import summarize  # noqa: E402
 from sim.simulator import simulate  # noqa: E402

@@ -75,13 +75,13 @@ from bench.loadgen import BenchConfig, arun_bench
 from bench.record import RequestRecord
 from bench.workload import QUESTION, make_image_pool, make_messages
 from gateway.settings import GatewaySettings
-from runtime import service_times as st
-from runtime.cost_model import CostModel
-from runtime.service_times import ServiceTimes
+from runtime.policy import service_times as st
+from runtime.policy.cost_model import CostModel
+from runtime.policy.service_times import ServiceTimes
 from sim.config import SimConfig
 from sim.distributions import fixed, parse_distribution
 from sim.metrics import HIST_PER_MS, hist_percentile, percentile
-from sim.profile_cli import busy_cores, host_busy, profile
+from bench.profile_cli import busy_cores, host_busy, profile
 from sim.report import summarize as sim_summary
 from sim.simulator import Simulator
 from sim.workload import Arrival, RequestMix, Workload

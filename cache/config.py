@@ -1,20 +1,14 @@
-"""Encoder-cache settings, validated on construction, readable from ``EPD_*`` variables.
+"""Encoder-cache settings, validated on construction.
 
-``redis_url`` None (or ``EPD_REDIS_URL`` unset or empty) selects the in-process
-backend; anything else selects Redis.
+``redis_url`` None (or empty) selects the in-process backend; anything else selects Redis.
+A worker process builds them from its ``WorkerSettings`` (``open_encoder_cache_for_settings``),
+the one place its ``EPD_*`` variables are read.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-
-ENV_REDIS_URL = "EPD_REDIS_URL"
-ENV_MAX_BYTES = "EPD_ENCODER_CACHE_MAX_BYTES"
-ENV_TTL_S = "EPD_ENCODER_CACHE_TTL_S"
-ENV_NAMESPACE = "EPD_ENCODER_CACHE_NAMESPACE"
 
 DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_TTL_S = 3600.0
@@ -61,23 +55,3 @@ class EncoderCacheConfig:
                 raise ValueError(f"encoder cache {name} must be a positive number of seconds, got {value!r}")
         if not self.namespace or any(c.isspace() for c in self.namespace):
             raise ValueError(f"encoder cache namespace must be non-empty without spaces, got {self.namespace!r}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> EncoderCacheConfig:
-        env = os.environ if environ is None else environ
-
-        def number(name: str, default: float, kind: type[int] | type[float]) -> int | float:
-            raw = env.get(name, "").strip()
-            if not raw:
-                return default
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
-        return cls(
-            redis_url=env.get(ENV_REDIS_URL) or None,
-            max_bytes=int(number(ENV_MAX_BYTES, DEFAULT_MAX_BYTES, int)),
-            ttl_s=float(number(ENV_TTL_S, DEFAULT_TTL_S, float)),
-            namespace=env.get(ENV_NAMESPACE, "").strip() or DEFAULT_NAMESPACE,
-        )

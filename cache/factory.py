@@ -8,8 +8,6 @@ A malformed URL is a configuration error and raises ``ValueError`` here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from redis.asyncio import Redis
 
 from cache.config import DEFAULT_MAX_BYTES, DEFAULT_NAMESPACE, DEFAULT_TTL_S, EncoderCacheConfig
@@ -61,6 +59,7 @@ def open_encoder_cache_from_config(config: EncoderCacheConfig, *, client: Redis 
         raise ValueError(f"invalid EPD_REDIS_URL / redis_url: {exc}") from exc
 
 
-def open_encoder_cache_from_env(environ: Mapping[str, str] | None = None) -> EncoderCache:
-    """``EPD_REDIS_URL`` set: Redis backend; unset or empty: in-process cache."""
-    return open_encoder_cache_from_config(EncoderCacheConfig.from_env(environ))
+def open_encoder_cache_for_settings(settings) -> EncoderCache:
+    """A worker process's cache from its settings (``runtime.worker.settings.WorkerSettings``, the
+    one source: ``EPD_REDIS_URL`` set selects Redis, ``EPD_CACHE_MAX_MB``, ``EPD_CACHE_TTL_S``)."""
+    return open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)

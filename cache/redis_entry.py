@@ -5,7 +5,7 @@ Key ``{namespace}:e:{content_key}``, a Redis hash with fields:
     v      format version, b"1"
     dtype  tensor_bytes dtype name, e.g. b"float32"
     shape  comma-separated dims, e.g. b"576,1536" (b"" for a scalar)
-    data   raw little-endian payload (``runtime.tensor_bytes``)
+    data   raw little-endian payload (``runtime.model.tensor_bytes``)
 
 The index fields and the payload live in one key, written in one
 transaction with one TTL, so Redis eviction or expiry removes them together.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime import tensor_bytes
+from runtime.model import tensor_bytes
 
 FORMAT_VERSION = b"1"
 FIELDS: tuple[str, ...] = ("v", "dtype", "shape", "data")

@@ -52,9 +52,9 @@ import struct
 from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.faults import FaultInjector
-from runtime.internal_auth import BULK_MAGIC, BULK_PREAMBLE_BYTES, BULK_VERSION, bulk_preamble_ok
-from runtime.wire import checksum_digest, payload_hasher
+from runtime.worker.faults import FaultInjector
+from runtime.worker.internal_auth import BULK_MAGIC, BULK_PREAMBLE_BYTES, BULK_VERSION, bulk_preamble_ok
+from runtime.worker.wire import checksum_digest, payload_hasher
 
 from .kv_receiver import ChunkOutcome, ChunkResult, KVReceiver
 from .reservations import Reservation

@@ -32,9 +32,9 @@ from enum import Enum
 import torch
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.kv_pool import KVBlockPool
-from runtime.tensor_bytes import dtype_from_name, dtype_name
-from runtime.wire import payload_checksum
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.tensor_bytes import dtype_from_name, dtype_name
+from runtime.worker.wire import payload_checksum
 
 from .reservations import Reservation, ReservationTable
 from .transfer_state import TransferState

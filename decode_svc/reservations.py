@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from runtime.kv_pool import KVBlockPool
+from runtime.model.kv_pool import KVBlockPool
 
 from .transfer_state import TransferState, advance
 

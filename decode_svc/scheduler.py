@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import PackedItem, VLMAdapter
-from runtime.sampling import SamplingParams, sample_token
-from runtime.background_loop import start_loop, stop_loop
-from runtime.timing_log import TimingLog
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import PackedItem, VLMAdapter
+from runtime.model.sampling import SamplingParams, sample_token
+from runtime.worker.background_loop import start_loop, stop_loop
+from runtime.worker.timing_log import TimingLog
 
 from .reservations import Lease
 

@@ -7,12 +7,12 @@ import logging
 import sys
 
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.embedding_fetch import EmbeddingFetcher
-from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, run_worker
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings
+from cache.embedding_fetch import EmbeddingFetcher
+from runtime.worker.faults import FaultInjector
+from runtime.worker.grpc_server import WorkerServer, run_worker
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.settings import WorkerSettings
 
 from .bulk_receiver import BulkKVServer
 from .servicer import DecodeServicer
@@ -22,7 +22,7 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings) -> tuple[WorkerServer, DecodeServicer]:
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images)
+                                      max_images=settings.max_images_per_request)
     pool = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                           device=settings.device)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,

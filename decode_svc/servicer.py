@@ -32,15 +32,15 @@ import grpc
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
-from runtime.grpc_server import wait_until_idle
-from runtime.errors import AdapterInputError
-from runtime.faults import FaultInjector
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import VLMAdapter
-from runtime.rpc_failure import FailureKind, abort_with
-from runtime.timing_log import TimingLog
-from runtime.wire import sampling_from_pb, token_digest
+from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.worker.grpc_server import wait_until_idle
+from runtime.model.errors import AdapterInputError
+from runtime.worker.faults import FaultInjector
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.rpc_failure import FailureKind, abort_with
+from runtime.worker.timing_log import TimingLog
+from runtime.worker.wire import sampling_from_pb, token_digest
 
 from .kv_receiver import ChunkOutcome, KVReceiver
 from .reservations import Lease, Reservation, ReservationTable

@@ -13,8 +13,8 @@ import time
 import torch
 from PIL import Image
 
-from runtime.model_adapter import VLMAdapter
-from runtime.timing_log import TimingLog
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.timing_log import TimingLog
 
 
 class EncodeBatcher:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from cache import open_encoder_cache
+from cache import open_encoder_cache_for_settings
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, run_worker
-from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings
+from runtime.worker.faults import FaultInjector
+from runtime.worker.grpc_server import WorkerServer, run_worker
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.settings import WorkerSettings
 
 from .batcher import EncodeBatcher
 from .servicer import EncoderServicer
@@ -18,8 +18,8 @@ from .servicer import EncoderServicer
 
 async def build(settings: WorkerSettings) -> tuple[WorkerServer, EncoderServicer]:
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images)
-    cache = open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20, ttl_s=settings.cache_ttl_s)
+                                      max_images=settings.max_images_per_request)
+    cache = open_encoder_cache_for_settings(settings)
     faults = FaultInjector(settings.faults)
     batcher = EncodeBatcher(adapter, max_batch=settings.encoder_max_batch, window_ms=settings.encoder_batch_window_ms,
                             stall_ms=faults.amount("stall_encoder_ms"))

@@ -21,10 +21,10 @@ from cache.encoder_cache import EncoderCache
 from cache.keys import image_content_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.grpc_server import wait_until_idle
-from runtime.errors import InvalidImage
-from runtime.model_adapter import VLMAdapter
-from runtime.wire import tensor_to_pb
+from runtime.worker.grpc_server import wait_until_idle
+from runtime.model.errors import InvalidImage
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.wire import tensor_to_pb
 
 from .batcher import EncodeBatcher
 

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from PIL import Image
 
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 
 
 @dataclass(slots=True)

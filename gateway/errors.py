@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.errors import AdapterInputError
+from runtime.model.errors import AdapterInputError
 
 from .chat_backend import AdmissionRefused, BackendFailure, DeadlineExceeded
 

@@ -41,7 +41,7 @@ from .settings import GatewaySettings
 log = logging.getLogger("epd.gateway")
 
 ALLOWED_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
-# the modes runtime.model_adapter.VLMAdapter.validate_image converts to RGB
+# the modes runtime.model.model_adapter.VLMAdapter.validate_image converts to RGB
 ACCEPTED_MODES = frozenset({"RGB", "RGBA", "L", "LA", "P", "CMYK", "YCbCr"})
 _FETCH_HEADERS = {"Accept": "image/*", "Accept-Encoding": "identity"}
 _READ_CHUNK = 64 * 1024

@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections import deque
 
-from runtime.background_loop import start_loop, stop_loop
+from runtime.worker.background_loop import start_loop, stop_loop
 
 
 class LoopLagMonitor:

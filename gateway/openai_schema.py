@@ -5,7 +5,7 @@ every field of the request, at every level, falls under one rule:
 
 * a field we honour is declared here, with exactly the range the workers
   handle (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``seed`` in the
-  int64 range: ``runtime.sampling``; an image part's ``detail`` "auto" or
+  int64 range: ``runtime.model.sampling``; an image part's ``detail`` "auto" or
   "high", since the processor always uses the model's full resolution);
 * a known OpenAI or vLLM field we do not honour is accepted only at its no-op
   value (``n: 1``, ``logprobs: false``, penalties 0, ``response_format:
@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from runtime.sampling import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
+from runtime.model.sampling import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
 
 from . import request_fields
 from .request_fields import Refusal, first_refusal

@@ -32,8 +32,8 @@ import grpc
 
 from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.cost_model import CostModel
-from runtime.placement_policy import (
+from runtime.policy.cost_model import CostModel
+from runtime.policy.placement_policy import (
     DecodeWorkerLoad,
     EncoderLoad,
     PlacementDecision,
@@ -43,9 +43,9 @@ from runtime.placement_policy import (
     admit,
     on_transfer_failure,
 )
-from runtime.rpc_failure import FailureKind, failure_kind
-from runtime.service_times import ServiceTimes
-from runtime.wire import sampling_to_pb, token_digest
+from runtime.worker.rpc_failure import FailureKind, failure_kind
+from runtime.policy.service_times import ServiceTimes
+from runtime.worker.wire import sampling_to_pb, token_digest
 
 from . import gateway_metrics as m
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent

@@ -43,7 +43,7 @@ import jinja2
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor
 
-from runtime import supported_models
+from runtime.model import supported_models
 
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart

@@ -8,7 +8,7 @@ import sys
 
 import uvicorn
 
-from runtime.supported_models import UnsupportedModel, check_checkpoint
+from runtime.model.supported_models import UnsupportedModel, check_checkpoint
 
 from .app import create_app
 from .orchestrator import Orchestrator

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.internal_auth import validate_token
+from runtime.worker.internal_auth import validate_token
 
 MiB = 1 << 20
 
@@ -24,55 +24,54 @@ class GatewaySettings(BaseSettings):
                                       hide_input_in_errors=True)   # errors never echo EPD_INTERNAL_TOKEN
 
     # model and listening address
-    model: str = "models/demo-vlm"                  # processor + config are read from here; never the weights
-    served_model_name: str = Field(default="demo-vlm", min_length=1)
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    model: str = Field(default="models/demo-vlm", description="model directory (the gateway reads its processor and config, never its weights)")
+    served_model_name: str = Field(default="demo-vlm", min_length=1, description="model name in the API")
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="gateway: HTTP port")
 
     # latency targets (per request overridable by x-ttft-slo-ms / x-itl-slo-ms)
-    ttft_slo_ms: float = Field(default=5000.0, gt=0)
-    itl_slo_ms: float = Field(default=1000.0, gt=0)
-    deadline_grace_ms: float = Field(default=250.0, ge=0)   # gateway waits this long past the TTFT deadline before its own 504
-    # admission adds this quantile of recent (actual - predicted) TTFT: about the share of admitted requests meant to meet it
-    admission_quantile: float = Field(default=0.95, ge=0, le=1)
+    ttft_slo_ms: float = Field(default=5000.0, gt=0, description="gateway: time-to-first-token target, ms (x-ttft-slo-ms per request)")
+    itl_slo_ms: float = Field(default=1000.0, gt=0, description="gateway: inter-token latency target, ms (x-itl-slo-ms per request)")
+    deadline_grace_ms: float = Field(default=250.0, ge=0, description="gateway: waits this long past the TTFT deadline before its own 504")
+    admission_quantile: float = Field(default=0.95, ge=0, le=1, description="gateway: admission's margin is this quantile of recent TTFT misprediction, about the share of admitted requests meant to meet the deadline")
 
     # request limits, all checked before any model work
-    max_body_bytes: int = Field(default=20 * MiB, ge=1024)
-    max_image_bytes: int = Field(default=10 * MiB, ge=1)
-    max_image_pixels: int = Field(default=4096 * 4096, ge=1)
-    max_image_side: int = Field(default=16384, ge=1)          # refuses 1 x 16M "images" the pixel limit lets through
-    max_images_per_request: int = Field(default=4, ge=0)
-    allow_remote_images: bool = True
-    remote_image_timeout_s: float = Field(default=5.0, gt=0)
-    max_tokens_limit: int = Field(default=4096, ge=1)
-    default_max_tokens: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=20 * MiB, ge=1024, description="gateway: largest request body, bytes")
+    max_image_bytes: int = Field(default=10 * MiB, ge=1, description="gateway: largest image, bytes")
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1, description="gateway: largest image, pixels")
+    max_image_side: int = Field(default=16384, ge=1, description="gateway: longest image side, pixels")
+    max_images_per_request: int = Field(default=4, ge=0, description="images one request may carry (the gateway refuses more with 400)")
+    allow_remote_images: bool = Field(default=True, description="gateway: fetch http(s) image URLs (within the media URL policy)")
+    remote_image_timeout_s: float = Field(default=5.0, gt=0, description="gateway: whole-fetch limit for one image URL, seconds")
+    max_tokens_limit: int = Field(default=4096, ge=1, description="gateway: largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(default=256, ge=1, description="gateway: max_tokens when a request gives none")
 
     # orchestration (read by gateway.orchestrator)
-    redis_url: str | None = None
-    encoder_addrs: AddressList = Field(default_factory=list)
-    prefill_addrs: AddressList = Field(default_factory=list)
-    decode_addrs: AddressList = Field(default_factory=list)
-    placement: Literal["conditional", "colocated", "disaggregated"] = "conditional"
-    prefill_chunk_tokens: int = Field(default=256, ge=1)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
-    # sent on every worker RPC (runtime/internal_auth.py); the workers' EPD_INTERNAL_TOKEN
-    internal_token: SecretStr | None = None
+    redis_url: str | None = Field(default=None, description="Redis for discovery and the shared encoder cache (unset: static lists, in-process cache)")
+    encoder_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
+    prefill_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the prefill workers (static discovery)")
+    decode_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
+    placement: Literal["conditional", "colocated", "disaggregated"] = Field(
+        default="conditional", description="gateway: `conditional` (per request, by cost), `colocated` or `disaggregated`")
+    prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="graceful drain on SIGTERM, seconds")
+    internal_token: SecretStr | None = Field(default=None, description="shared secret every worker RPC and bulk KV stream must carry")
 
     @field_validator("internal_token", mode="before")
     @classmethod
     def _token(cls, v: object) -> SecretStr | None:
         return validate_token(v)
 
-    # security (gateway.auth, gateway.media_fetch; docs/deploy.md "Security")
-    api_key: NameList = Field(default_factory=list, repr=False)   # EPD_API_KEY=k1,k2: /v1/* then needs one
-    open_metrics_and_status: bool = False       # with keys set: serve /metrics and /status without one
-    cache_salt_per_api_key: bool = True         # with keys set: each key is its own encoder-cache namespace
-    allowed_media_domains: NameList = Field(default_factory=list)   # empty: any public host
-    allow_private_media_urls: bool = False      # fetch media from private/loopback addresses (on-prem)
+    # security (gateway.auth, gateway.media_policy; docs/deploy.md "Security")
+    api_key: NameList = Field(default_factory=list, repr=False, description="gateway: comma-separated API keys; set, `/v1/*` needs `Authorization: Bearer KEY`")
+    open_metrics_and_status: bool = Field(default=False, description="gateway, with keys: serve `/metrics` and `/status` without a key")
+    cache_salt_per_api_key: bool = Field(default=True, description="gateway, with keys: each key is its own encoder-cache namespace")
+    allowed_media_domains: NameList = Field(default_factory=list, description="gateway: comma-separated hostnames image URLs may name (empty: any public host)")
+    allow_private_media_urls: bool = Field(default=False, description="gateway: also fetch images from loopback and private addresses")
 
-    # per-request caps and prompt building (issue 15)
-    max_slo_ms: float = Field(default=120_000.0, gt=0)   # x-ttft-slo-ms / x-itl-slo-ms above this are a 400
-    prompt_workers: int = Field(default=4, ge=1)          # prompts rendered + tokenized at once, one processor copy each
+    # per-request caps and prompt building
+    max_slo_ms: float = Field(default=120_000.0, gt=0, description="gateway: the largest x-ttft-slo-ms / x-itl-slo-ms a request may send")
+    prompt_workers: int = Field(default=4, ge=1, description="gateway: prompts rendered and tokenized at once, each on its own processor copy")
 
     @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", "api_key", "allowed_media_domains", mode="before")
     @classmethod

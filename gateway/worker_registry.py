@@ -29,8 +29,8 @@ from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.discovery import list_workers
-from runtime.internal_auth import open_channel
+from runtime.worker.discovery import list_workers
+from runtime.worker.internal_auth import open_channel
 
 log = logging.getLogger("epd.gateway.registry")
 

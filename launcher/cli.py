@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("runtime.demo_model.cli", "build (train) the shipped demo VLM, or the larger bench config"),
     "simulate": ("sim.simulate_cli", "discrete-event simulation of the E/P/D pipeline"),
     "plan": ("sim.plan_cli", "recommend worker counts per stage for a load and SLOs"),
-    "profile": ("sim.profile_cli", "measure a running stack's service-time tables"),
+    "profile": ("bench.profile_cli", "measure a running stack's service-time tables"),
     "bench": ("bench.loadgen", "load generator for any OpenAI-compatible chat server"),
     "healthcheck": ("launcher.healthcheck", "exit 0 when a worker (gRPC) or gateway (HTTP) is healthy"),
 }

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
-from runtime.settings import WorkerSettings
+from runtime.worker.settings import WorkerSettings
 
 from .restart_policy import RestartPolicy
 from .serve_settings import ServeSettings
@@ -195,7 +195,7 @@ def required_roles(args: argparse.Namespace) -> frozenset[str]:
 def main(argv: list[str]) -> int:
     worker, gateway, serve = _load_settings()
     args = parse_args(argv, worker, gateway, serve)
-    from runtime.supported_models import UnsupportedModel, check_checkpoint
+    from runtime.model.supported_models import UnsupportedModel, check_checkpoint
     try:
         check_checkpoint(args.model)   # before any child: one line and a non-zero exit, not N failing workers
     except (UnsupportedModel, OSError) as exc:

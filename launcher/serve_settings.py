@@ -1,6 +1,6 @@
 """Settings only ``epd serve`` reads, typed, from ``EPD_*`` variables (overridable by its flags).
 
-The workers' and the gateway's own settings (``runtime.settings.WorkerSettings``,
+The workers' and the gateway's own settings (``runtime.worker.settings.WorkerSettings``,
 ``gateway.settings.GatewaySettings``) give serve's other defaults, so a variable means
 the same to ``epd serve`` as to the process it configures.
 """
@@ -17,7 +17,7 @@ class ServeSettings(BaseSettings):
     # supervision: a child that exits on its own is restarted after restart_backoff_s, doubling per
     # further exit within restart_window_s (at most restart_max_backoff_s); restart_limit exits
     # within the window and serve gives up on it
-    restart_backoff_s: float = Field(default=1.0, ge=0)
-    restart_max_backoff_s: float = Field(default=30.0, ge=0)
-    restart_limit: int = Field(default=5, ge=1)
-    restart_window_s: float = Field(default=60.0, gt=0)
+    restart_backoff_s: float = Field(default=1.0, ge=0, description="serve: wait before restarting a child that exited, seconds (doubles per exit in the window)")
+    restart_max_backoff_s: float = Field(default=30.0, ge=0, description="serve: longest wait before a restart, seconds")
+    restart_limit: int = Field(default=5, ge=1, description="serve: exits within the window after which serve gives up on a child")
+    restart_window_s: float = Field(default=60.0, gt=0, description="serve: the window restart_limit counts exits in, seconds")

@@ -23,8 +23,8 @@ from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.internal_auth import open_channel
-from runtime.peers import PeerDirectory, PeerRole, UnknownPeerError
+from runtime.worker.internal_auth import open_channel
+from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
 
 from .kv_sender import TransferBroken
 

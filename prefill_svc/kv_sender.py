@@ -20,9 +20,9 @@ from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.faults import FaultInjector
-from runtime.internal_auth import bulk_preamble
-from runtime.timing_log import TimingLog
+from runtime.worker.faults import FaultInjector
+from runtime.worker.internal_auth import bulk_preamble
+from runtime.worker.timing_log import TimingLog
 
 
 class TransferBroken(RuntimeError):

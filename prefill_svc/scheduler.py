@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import PackedItem, VLMAdapter
-from runtime.sampling import SamplingParams, sample_token
-from runtime.tensor_bytes import dtype_name
-from runtime.background_loop import start_loop, stop_loop
-from runtime.timing_log import TimingLog
-from runtime.wire import payload_checksum
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import PackedItem, VLMAdapter
+from runtime.model.sampling import SamplingParams, sample_token
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.background_loop import start_loop, stop_loop
+from runtime.worker.timing_log import TimingLog
+from runtime.worker.wire import payload_checksum
 
 from .kv_sender import KVSender
 

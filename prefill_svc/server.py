@@ -6,12 +6,12 @@ import asyncio
 import sys
 
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.embedding_fetch import EmbeddingFetcher
-from runtime.faults import FaultInjector
-from runtime.grpc_server import WorkerServer, run_worker
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import VLMAdapter
-from runtime.settings import WorkerSettings
+from cache.embedding_fetch import EmbeddingFetcher
+from runtime.worker.faults import FaultInjector
+from runtime.worker.grpc_server import WorkerServer, run_worker
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.settings import WorkerSettings
 
 from .scheduler import PrefillScheduler
 from .servicer import PrefillServicer
@@ -19,7 +19,7 @@ from .servicer import PrefillServicer
 
 async def build(settings: WorkerSettings) -> tuple[WorkerServer, PrefillServicer]:
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images)
+                                      max_images=settings.max_images_per_request)
     scratch = KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                              device=settings.device)
     scheduler = PrefillScheduler(adapter, scratch, model_fingerprint=adapter.model_fingerprint,

@@ -20,14 +20,14 @@ from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
-from runtime.grpc_server import wait_until_idle
-from runtime.errors import AdapterInputError
-from runtime.faults import FaultInjector
-from runtime.model_adapter import VLMAdapter
-from runtime.peers import UnknownPeerError
-from runtime.rpc_failure import FailureKind, abort_with
-from runtime.wire import sampling_from_pb, token_digest
+from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from runtime.worker.grpc_server import wait_until_idle
+from runtime.model.errors import AdapterInputError
+from runtime.worker.faults import FaultInjector
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.peers import UnknownPeerError
+from runtime.worker.rpc_failure import FailureKind, abort_with
+from runtime.worker.wire import sampling_from_pb, token_digest
 
 from .decode_links import DecodeLinks
 from .kv_sender import KVSender, TransferBroken

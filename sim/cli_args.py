@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.cost_model import CostModel
-from runtime.service_times import GIB, KIB, ServiceTimes
+from runtime.policy.cost_model import CostModel
+from runtime.policy.service_times import GIB, KIB, ServiceTimes
 from sim.distributions import parse_distribution
 from sim.workload import RequestMix
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from runtime.placement_policy import MODES
-from runtime.service_times import ServiceTimes
+from runtime.policy.placement_policy import MODES
+from runtime.policy.service_times import ServiceTimes
 
 TRANSFERS = ("serial", "chunked")
 

@@ -42,7 +42,7 @@ from bisect import insort
 from collections import deque
 from typing import Any
 
-from runtime.placement_policy import DecodeWorkerLoad
+from runtime.policy.placement_policy import DecodeWorkerLoad
 from sim.events import EventQueue
 from sim.host_cpu import HostCpu, ignore
 
@@ -164,11 +164,6 @@ class DecodeWorker:
         self.arriving -= 1
         self.local_q.append(req)
         self.wake(now)
-
-    def submit_local(self, req: Any, now: float) -> None:
-        """Claim and queue at once."""
-        self.claim_local(req)
-        self.queue_local(req, now)
 
     # ---- scheduling ----------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.placement_policy import LinkLoad
+from runtime.policy.placement_policy import LinkLoad
 from sim.events import EventQueue
 
 Done = Callable[[Any, float], None]

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.cost_model import CostModel
-from runtime.service_times import ServiceTimes
+from runtime.policy.cost_model import CostModel
+from runtime.policy.service_times import ServiceTimes
 from sim.config import SimConfig
 from sim.report import summarize
 from sim.simulator import simulate

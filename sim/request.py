@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from runtime.placement_policy import RequestShape
+from runtime.policy.placement_policy import RequestShape
 from sim.workload import Arrival
 
 

@@ -18,8 +18,8 @@ import json
 import sys
 from typing import Any
 
-from runtime.placement_policy import MODES
-from runtime.service_times import ServiceTimesError
+from runtime.policy.placement_policy import MODES
+from runtime.policy.service_times import ServiceTimesError
 from sim.cli_args import add_mix_args, add_service_args, mix_from_args, service_from_args
 from sim.config import TRANSFERS, ConfigError, SimConfig
 from sim.distributions import DistributionError

@@ -4,12 +4,12 @@ Request lifecycle, as queues (each hop is a state change):
 
     arrival -> [gateway queue -> gateway]            (only when gateway_request_ms > 0)
             -> [encoder queue -> encoder]            (only with images to encode)
-            -> placement (runtime.placement_policy: choose_placement, or admit)
+            -> placement (runtime.policy.placement_policy: choose_placement, or admit)
     colocated:  decode worker X's local queue -> local prefill on X -> X's batch -> done
     remote:     prefill queue -> prefill worker (reserves a slot on X when it starts)
                 -> KV link (after prefill, or chunk by chunk) -> first token (the
                 prefill's, emitted as the KV lands) -> X's pending joins -> X's batch -> done
-    on a failed transfer: runtime.placement_policy.on_transfer_failure decides
+    on a failed transfer: runtime.policy.placement_policy.on_transfer_failure decides
                 retry / other_decode / reprefill / fail; released state is counted
                 in ``cleanups``.
 
@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.cost_model import CostModel
-from runtime.placement_policy import (
+from runtime.policy.cost_model import CostModel
+from runtime.policy.placement_policy import (
     COLOCATED,
     PrefillWorkerLoad,
     StageLoads,

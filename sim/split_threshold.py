@@ -1,6 +1,6 @@
 """The conditional split threshold: the prompt length above which remote prefill wins.
 
-Derived, not configured: it asks ``runtime.placement_policy.choose_placement``
+Derived, not configured: it asks ``runtime.policy.placement_policy.choose_placement``
 (mode ``conditional``, the gateway's own rule) about prompts of increasing length
 on a decode worker carrying ``neighbours`` running sequences, with the given
 queue waits, and returns the shortest prompt it sends to remote prefill. The
@@ -10,8 +10,8 @@ there is no interference for the transfer to buy down.
 
 from __future__ import annotations
 
-from runtime.cost_model import CostModel
-from runtime.placement_policy import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads, choose_placement
+from runtime.policy.cost_model import CostModel
+from runtime.policy.placement_policy import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads, choose_placement
 
 
 def split_threshold(

@@ -1,7 +1,7 @@
 """The design chapter's worked example, computed by the cost model and the policy.
 
 Nothing here is typed in: every number comes from ``CostModel`` (the same class
-the gateway calibrates) and ``runtime.placement_policy``. With the default
+the gateway calibrates) and ``runtime.policy.placement_policy``. With the default
 ``ServiceTimes`` the chapter's figures come out: ~230 ms prefill, 1.83 GiB of KV,
 ~95 ms transfer, ~370 ms remote TTFT, ~315 ms with 2,000-token chunks, ~4.3
 prefills/s and ~1.8 retirements/s per worker, about two decode workers per
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.cost_model import CostModel
-from runtime.placement_policy import (
+from runtime.policy.cost_model import CostModel
+from runtime.policy.placement_policy import (
     DecodeWorkerLoad,
     PrefillWorkerLoad,
     RequestShape,
@@ -22,7 +22,7 @@ from runtime.placement_policy import (
     choose_placement,
     on_transfer_failure,
 )
-from runtime.service_times import GIB, ServiceTimes
+from runtime.policy.service_times import GIB, ServiceTimes
 from sim.split_threshold import split_threshold
 
 MIB = 1024**2

@@ -1,7 +1,7 @@
 """A ``ChatBackend`` test double: the real model, in-process, one model step at a time.
 
 It runs encode -> chunked prefill (KV landed into a decode KV pool, as a decode
-worker does) -> decode steps with ``runtime.model_adapter``; it is a stand-in
+worker does) -> decode steps with ``runtime.model.model_adapter``; it is a stand-in
 for the orchestrator so the HTTP layer is tested against real tokens, not a
 product. Model steps run in a worker thread under one lock, so the event loop
 stays free (disconnects and deadlines are noticed while a step runs).
@@ -38,8 +38,8 @@ from PIL import Image
 
 from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
 from runtime.demo_model.shapes import ShapeSample, draw_shape
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo-vlm"

@@ -1,4 +1,4 @@
-"""Bad input to the model adapter raises the typed errors of ``runtime.errors`` before any model work.
+"""Bad input to the model adapter raises the typed errors of ``runtime.model.errors`` before any model work.
 
 Every error is an ``AdapterInputError`` (hence a ``ValueError``) with a stable
 ``code``: the gateway turns these into 400s, so none of them may surface as a
@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 from runtime.demo_model.shapes import draw_shape
-from runtime.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import VLMAdapter
+from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import VLMAdapter
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo-vlm"
 WORD = 20  # an ordinary word token of the demo vocabulary

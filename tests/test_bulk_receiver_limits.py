@@ -19,11 +19,11 @@ from decode_svc.bulk_receiver import BulkKVServer
 from decode_svc.kv_receiver import KVReceiver
 from decode_svc.reservations import ReservationTable
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.internal_auth import bulk_preamble
-from runtime.faults import FaultInjector
-from runtime.kv_pool import KVBlockPool, KVLayout
-from runtime.tensor_bytes import dtype_name
-from runtime.wire import payload_checksum
+from runtime.worker.internal_auth import bulk_preamble
+from runtime.worker.faults import FaultInjector
+from runtime.model.kv_pool import KVBlockPool, KVLayout
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.wire import payload_checksum
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,9 +25,9 @@ from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.model_adapter import FirstToken, VLMAdapter
-from runtime.tensor_bytes import dtype_name
-from runtime.wire import GRPC_OPTIONS, payload_checksum, token_digest
+from runtime.model.model_adapter import FirstToken, VLMAdapter
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.wire import GRPC_OPTIONS, payload_checksum, token_digest
 
 pytestmark = pytest.mark.timeout(240)
 

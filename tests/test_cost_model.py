@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from runtime import service_times as st
-from runtime.cost_model import CostModel
-from runtime.fits import LinearFit, QuadraticFit
-from runtime.service_times import GIB, MeasuredTables, ServiceTimes, ServiceTimesError, ServiceTimesFile
+from runtime.policy import service_times as st
+from runtime.policy.cost_model import CostModel
+from runtime.policy.fits import LinearFit, QuadraticFit
+from runtime.policy.service_times import GIB, MeasuredTables, ServiceTimes, ServiceTimesError, ServiceTimesFile
 
 
 @pytest.fixture

@@ -29,13 +29,13 @@ from decode_svc.servicer import DecodeServicer
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.embedding_fetch import EmbeddingFetcher
-from runtime.peers import PeerDirectory
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import FirstToken, VLMAdapter
-from runtime.sampling import SamplingParams
-from runtime.tensor_bytes import dtype_name
-from runtime.wire import GRPC_OPTIONS, payload_checksum, token_digest
+from cache.embedding_fetch import EmbeddingFetcher
+from runtime.worker.peers import PeerDirectory
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import FirstToken, VLMAdapter
+from runtime.model.sampling import SamplingParams
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.wire import GRPC_OPTIONS, payload_checksum, token_digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,7 +268,7 @@ def scrape(servicer) -> str:
     """The worker metrics endpoint's text for ``servicer`` (its collector, rendered as Prometheus serves it)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from runtime.worker_metrics import _WorkerCollector
+    from runtime.worker.worker_metrics import _WorkerCollector
 
     registry = CollectorRegistry()
     registry.register(_WorkerCollector(lambda: servicer))

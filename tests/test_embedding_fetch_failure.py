@@ -32,7 +32,7 @@ from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 from runtime.demo_model.shapes import draw_shape
-from runtime.sampling import SamplingParams
+from runtime.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 

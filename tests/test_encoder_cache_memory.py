@@ -10,7 +10,8 @@ from helpers_cache.fixtures import Encoder, must_not_compute, tensor
 from prometheus_client import REGISTRY
 
 from cache import EncoderCache, EncoderCacheConfig, MemoryEncoderCache, RedisEncoderCache, open_encoder_cache
-from cache.factory import open_encoder_cache_from_env
+from cache.factory import open_encoder_cache_for_settings
+from runtime.worker.settings import WorkerSettings
 from cache.lru import ByteLRU
 from cache.single_flight import SingleFlight
 
@@ -210,13 +211,15 @@ async def test_memory_stores_a_detached_cpu_copy_and_rejects_non_tensors() -> No
 # --- configuration and factory -------------------------------------------------------
 
 
-async def test_factory_selects_backend_from_url_and_environment() -> None:
+async def test_factory_selects_backend_from_url_and_environment(monkeypatch) -> None:
     embedded = open_encoder_cache(None, max_bytes=1 << 20, ttl_s=5)
     assert isinstance(embedded, MemoryEncoderCache)
-    assert isinstance(open_encoder_cache_from_env({"EPD_REDIS_URL": ""}), MemoryEncoderCache)
-    from_env = open_encoder_cache_from_env({"EPD_REDIS_URL": "redis://127.0.0.1:6379/0",
-                                            "EPD_ENCODER_CACHE_MAX_BYTES": "4096"})
-    assert isinstance(from_env, RedisEncoderCache) and from_env.stats()["max_bytes"] == 4096
+    monkeypatch.setenv("EPD_REDIS_URL", "")
+    assert isinstance(open_encoder_cache_for_settings(WorkerSettings()), MemoryEncoderCache)
+    monkeypatch.setenv("EPD_REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("EPD_CACHE_MAX_MB", "3")
+    from_env = open_encoder_cache_for_settings(WorkerSettings())
+    assert isinstance(from_env, RedisEncoderCache) and from_env.stats()["max_bytes"] == 3 << 20
     await from_env.close()
     with pytest.raises(ValueError, match="redis_url"):
         open_encoder_cache("http://not-redis:1", max_bytes=1, ttl_s=1)
@@ -227,6 +230,6 @@ def test_config_validation_is_explicit() -> None:
         EncoderCacheConfig(max_bytes=0)
     with pytest.raises(ValueError, match="ttl_s"):
         EncoderCacheConfig(ttl_s=-1)
-    with pytest.raises(ValueError, match="EPD_ENCODER_CACHE_TTL_S"):
-        EncoderCacheConfig.from_env({"EPD_ENCODER_CACHE_TTL_S": "soon"})
+    with pytest.raises(ValueError, match="cache_ttl_s"):
+        WorkerSettings(cache_ttl_s="soon")
     assert EncoderCacheConfig(redis_url="  ").redis_url is None

@@ -132,9 +132,9 @@ def test_text_only_request_skips_the_encoder(stack):
 
 
 def test_profile_writes_a_service_time_file_the_simulator_reads(stack, tmp_path):
-    from runtime import service_times as st
-    from runtime.cost_model import CostModel
-    from sim.profile_cli import main as profile_main
+    from runtime.policy import service_times as st
+    from runtime.policy.cost_model import CostModel
+    from bench.profile_cli import main as profile_main
 
     out = tmp_path / "times.json"
     assert profile_main(["--base", stack, "--out", str(out), "--prompt-words", "0,60", "--batches", "2",

@@ -14,11 +14,11 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from gateway.settings import GatewaySettings
-from runtime.discovery import WorkerRegistration
-from runtime.internal_auth import (BULK_PREAMBLE_BYTES, bulk_preamble, bulk_preamble_ok, exposure_problem,
+from runtime.worker.discovery import WorkerRegistration
+from runtime.worker.internal_auth import (BULK_PREAMBLE_BYTES, bulk_preamble, bulk_preamble_ok, exposure_problem,
                                    is_loopback, validate_token)
-from runtime.peers import PeerDirectory, PeerRole, UnknownPeerError
-from runtime.settings import WorkerSettings, parse_worker_args
+from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
+from runtime.worker.settings import WorkerSettings, parse_worker_args
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
 TOKEN = "k" * 24

@@ -29,10 +29,10 @@ from cluster import DEMO_MODEL, Cluster, free_port
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.internal_auth import bulk_preamble
-from runtime.model_adapter import FirstToken, VLMAdapter
-from runtime.tensor_bytes import dtype_name
-from runtime.wire import GRPC_OPTIONS, payload_checksum, token_digest
+from runtime.worker.internal_auth import bulk_preamble
+from runtime.model.model_adapter import FirstToken, VLMAdapter
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.wire import GRPC_OPTIONS, payload_checksum, token_digest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -458,7 +458,7 @@ def as_bulk(msgs: list[pb.KVChunk]) -> list[tuple[pb.KVChunk, bytes]]:
 
 async def test_bulk_path_handoff_with_duplicates_decodes_exactly(env, stub) -> None:
     from prefill_svc.kv_sender import KVSender
-    from runtime.faults import FaultInjector
+    from runtime.worker.faults import FaultInjector
 
     p = env.prompt(3)
     reservation, bulk = await bulk_reserve(stub, env, p)

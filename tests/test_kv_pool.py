@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kv_pool import FREE, KVBlockPool, KVLayout, StaleBlocksError
+from runtime.model.kv_pool import FREE, KVBlockPool, KVLayout, StaleBlocksError
 
 LAYOUT = KVLayout(layers=3, kv_heads=2, head_dim=4, dtype=torch.float32)
 

@@ -12,8 +12,8 @@ import struct
 
 from proto.epd.v1 import epd_pb2 as pb
 from prefill_svc.kv_sender import KVSender
-from runtime.faults import FaultInjector
-from runtime.internal_auth import BULK_PREAMBLE_BYTES, bulk_preamble
+from runtime.worker.faults import FaultInjector
+from runtime.worker.internal_auth import BULK_PREAMBLE_BYTES, bulk_preamble
 
 _LEN = struct.Struct("<I")
 

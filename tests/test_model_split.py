@@ -22,9 +22,9 @@ import torch
 from PIL import Image
 
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.kv_pool import KVBlockPool
-from runtime.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
-from runtime.sampling import SamplingParams
+from runtime.model.kv_pool import KVBlockPool
+from runtime.model.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
+from runtime.model.sampling import SamplingParams
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo-vlm"
 CHUNK_SIZES = (1, 7, 64, None)  # None: the whole prompt as one chunk

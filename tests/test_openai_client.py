@@ -20,7 +20,7 @@ from inprocess_backend import InProcessBackend, data_url, demo_model_path, image
 from gateway.app import create_app
 from gateway.chat_backend import AdmissionRefused
 from gateway.settings import GatewaySettings
-from runtime.wire import sampling_from_pb, sampling_to_pb
+from runtime.worker.wire import sampling_from_pb, sampling_to_pb
 
 MODEL = "demo-vlm"
 

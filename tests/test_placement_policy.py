@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.cost_model import CostModel
-from runtime.placement_policy import (
+from runtime.policy.cost_model import CostModel
+from runtime.policy.placement_policy import (
     REASONS,
     DecodeWorkerLoad,
     EncoderLoad,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from runtime.cost_model import CostModel
+from runtime.policy.cost_model import CostModel
 from sim import plan_cli
 from sim.distributions import fixed
 from sim.planner import PlanInput, analytic, erlang_c_wait_ms, mix_stats, plan

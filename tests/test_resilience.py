@@ -38,7 +38,7 @@ from gateway.settings import GatewaySettings
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.discovery import list_workers
+from runtime.worker.discovery import list_workers
 from test_faults import make_job, processor, run_job  # noqa: F401  (processor is a fixture)
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

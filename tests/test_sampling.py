@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams, sample_token
-from runtime.wire import sampling_from_pb, sampling_to_pb
+from runtime.model.sampling import SEED_MAX, SEED_MIN, SamplingParams, sample_token
+from runtime.worker.wire import sampling_from_pb, sampling_to_pb
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.1125369292536007e-308, 5e-324, 1e-6])

@@ -15,7 +15,7 @@ import pytest
 from gateway.settings import GatewaySettings
 from launcher import serve
 from launcher.serve_settings import ServeSettings
-from runtime.settings import WorkerSettings
+from runtime.worker.settings import WorkerSettings
 
 
 def build(argv: list[str], environ: dict[str, str] | None = None):

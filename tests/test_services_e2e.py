@@ -31,8 +31,8 @@ from gateway.settings import GatewaySettings
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import QUESTIONS, draw_shape
-from runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from runtime.wire import GRPC_OPTIONS
+from runtime.model.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from runtime.worker.wire import GRPC_OPTIONS
 
 pytestmark = pytest.mark.timeout(240)
 

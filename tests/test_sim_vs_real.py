@@ -20,7 +20,7 @@ from bench.sim_vs_real import (
     trace_from_records,
     with_terms,
 )
-from runtime.service_times import ServiceTimes
+from runtime.policy.service_times import ServiceTimes
 from sim.workload import Workload
 
 

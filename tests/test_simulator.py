@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime.service_times import GIB, ServiceTimes
+from runtime.policy.service_times import GIB, ServiceTimes
 from sim import simulate_cli
 from sim.config import ConfigError, SimConfig
 from sim.distributions import DistributionError, fixed, parse_distribution
@@ -370,7 +370,7 @@ def test_cli_table_and_errors(capsys) -> None:
 
 
 def test_cli_reads_a_service_time_file(tmp_path, capsys) -> None:
-    from runtime import service_times as st
+    from runtime.policy import service_times as st
 
     path = tmp_path / "times.json"
     tables = st.MeasuredTables(prefill=tuple((t, 10.0 + 0.07 * t) for t in (500, 1000, 4000)))
@@ -489,7 +489,7 @@ def test_host_cores_field_and_flag() -> None:
 
 
 def test_profile_keeps_burst_steps_from_the_full_batch_on_and_knows_a_local_stack() -> None:
-    from sim.profile_cli import from_peak, is_local
+    from bench.profile_cli import from_peak, is_local
 
     # steps while the burst's prefills still run (batch growing) are left out
     assert from_peak([1, 2, 4, 4, 3, 1]) == [2, 3, 4, 5]
@@ -498,7 +498,7 @@ def test_profile_keeps_burst_steps_from_the_full_batch_on_and_knows_a_local_stac
 
 
 def test_profile_counts_the_cores_other_work_keeps_busy() -> None:
-    from sim.profile_cli import busy_cores, host_busy
+    from bench.profile_cli import busy_cores, host_busy
 
     assert busy_cores(2, (100.0, 1000.0), (150.0, 1100.0)) == pytest.approx(1.0)  # half the host busy elsewhere
     assert busy_cores(4, (0.0, 0.0), (10.0, 100.0)) == pytest.approx(0.4)
@@ -519,7 +519,7 @@ def test_per_request_cpu_of_encoder_and_prefill_lengthens_their_stages() -> None
 
 
 def test_profile_overhead_is_cpu_beyond_the_timed_work_less_the_idle_rate() -> None:
-    from sim.profile_cli import overhead_ms
+    from bench.profile_cli import overhead_ms
 
     # idle 0.01 s CPU per s; 10 requests over 2 s used 0.12 s: 0.10 s of work, 40 ms of it timed
     assert overhead_ms([1.0, 1.01, 1.01, 1.13], (0.0, 1.0, 1.0, 3.0), 10, 40.0) == pytest.approx(6.0)
@@ -548,7 +548,7 @@ def test_decode_workers_own_work_per_request_delays_its_first_token_not_the_batc
 
 
 def test_profile_splits_the_decode_workers_untimed_cpu_into_request_and_step_shares():
-    from sim.profile_cli import split_decode_overhead
+    from bench.profile_cli import split_decode_overhead
 
     # 2 ms per request + 1 ms per step: one at a time, 4 steps each (6 ms per request);
     # in bursts a step serves several requests: 26 requests, 24 steps (2 + 24/26 ms per request)

@@ -27,8 +27,8 @@ from transformers import (
 )
 
 from gateway.prompt import PromptBuilder
-from runtime.model_adapter import VLMAdapter
-from runtime.supported_models import UnsupportedModel, check_checkpoint
+from runtime.model.model_adapter import VLMAdapter
+from runtime.model.supported_models import UnsupportedModel, check_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "demo-vlm"

@@ -40,11 +40,11 @@ from gateway.settings import GatewaySettings
 from prefill_svc.kv_sender import KVSender, TransferBroken
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.faults import FaultInjector
-from runtime.internal_auth import bulk_preamble, open_channel
-from runtime.model_adapter import VLMAdapter
-from runtime.tensor_bytes import dtype_name
-from runtime.wire import payload_checksum
+from runtime.worker.faults import FaultInjector
+from runtime.worker.internal_auth import bulk_preamble, open_channel
+from runtime.model.model_adapter import VLMAdapter
+from runtime.model.tensor_bytes import dtype_name
+from runtime.worker.wire import payload_checksum
 from test_faults import make_job, processor, run_job  # noqa: F401  (processor is a fixture)
 from test_gateway_e2e import image_part
 
@@ -340,7 +340,7 @@ async def test_prefill_refuses_an_undiscovered_encoder_and_never_dials_it(stack)
 
 
 async def test_colocated_decode_refuses_an_undiscovered_encoder_and_never_dials_it(stack) -> None:
-    from runtime.wire import token_digest
+    from runtime.worker.wire import token_digest
 
     _, adapter = stack
     with listener() as (stranger, dialled):

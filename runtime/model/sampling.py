@@ -9,7 +9,7 @@ gateway's schema accepts exactly the same (it imports these bounds): every
 ``temperature`` in [0, 2], every ``top_p`` in (0, 1] (subnormals included) and
 every ``seed`` in the int64 range (the wire's type; as in vLLM). The wire
 carries temperature and top_p as doubles without rounding, so a worker samples
-with exactly the client's values (``runtime.wire``).
+with exactly the client's values (``runtime.worker.wire``).
 """
 
 from __future__ import annotations

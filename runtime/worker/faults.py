@@ -45,10 +45,6 @@ class FaultInjector:
                 raise FaultSpecError(f"fault {name} needs a number, got {value!r}") from None
         self._rng = random.Random(int(self.values.get("seed", 0)))
 
-    @property
-    def enabled(self) -> bool:
-        return any(k != "seed" and v for k, v in self.values.items())
-
     def coin(self, name: str) -> bool:
         p = self.values.get(name, 0.0)
         return p > 0 and self._rng.random() < p

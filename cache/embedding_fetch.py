@@ -22,9 +22,9 @@ from pydantic import SecretStr
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 
-from .internal_auth import open_channel
-from .peers import PeerDirectory, PeerRole, UnknownPeerError
-from .wire import tensor_from_pb
+from runtime.worker.internal_auth import open_channel
+from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
+from runtime.worker.wire import tensor_from_pb
 
 log = logging.getLogger("epd.embeddings")
 
@@ -55,10 +55,9 @@ class EmbeddingFetcher:
         """
         cache = None
         if settings.redis_url:
-            from cache import open_encoder_cache
+            from cache import open_encoder_cache_for_settings
 
-            cache = open_encoder_cache(settings.redis_url, max_bytes=settings.cache_max_mb * 2**20,
-                                       ttl_s=settings.cache_ttl_s)
+            cache = open_encoder_cache_for_settings(settings)
         return cls(cache, peers=PeerDirectory.for_settings(settings), token=settings.internal_token)
 
     def _stub(self, address: str) -> pb_grpc.EncoderStub:

@@ -21,7 +21,7 @@ File format (``--service-times FILE``; ``epd profile`` writes it)::
     }
 
 ``params`` missing from the file keep their defaults; unknown keys are errors.
-``tables`` are raw measurements: ``runtime.cost_model.CostModel.from_file`` fits
+``tables`` are raw measurements: ``runtime.policy.cost_model.CostModel.from_file`` fits
 the linear coefficients to them (falling back to ``params`` where a table is too
 small or degenerate). This module only parses and writes; it does no fitting.
 """

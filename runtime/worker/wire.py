@@ -10,8 +10,8 @@ import xxhash
 
 from proto.epd.v1 import epd_pb2 as pb
 
-from . import tensor_bytes
-from .sampling import SamplingParams
+from runtime.model import tensor_bytes
+from runtime.model.sampling import SamplingParams
 
 # Explicit on both ends (the gRPC default of 4 MiB is too small for KV chunks).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024

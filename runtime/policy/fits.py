@@ -1,4 +1,4 @@
-"""Sliding-window least-squares fits of measured stage times, for ``runtime.cost_model``.
+"""Sliding-window least-squares fits of measured stage times, for ``runtime.policy.cost_model``.
 
 - ``LinearFit``: ``y = intercept + slope x x`` (decode steps, transfers, encodes).
 - ``QuadraticFit``: ``y = intercept + slope x x + curve x x^2`` (prefill: the attention over

@@ -190,10 +190,10 @@ def client_interceptors(token: SecretStr | str | None) -> list[grpc.aio.ClientIn
 def open_channel(address: str, token: SecretStr | str | None, *, options=None) -> grpc.aio.Channel:
     """The one way epd dials a worker: an aio channel that sends the token on every call.
 
-    ``options`` default to ``runtime.wire.GRPC_OPTIONS`` (imported here: that module loads torch).
+    ``options`` default to ``runtime.worker.wire.GRPC_OPTIONS`` (imported here: that module loads torch).
     """
     if options is None:
-        from .wire import GRPC_OPTIONS
+        from runtime.worker.wire import GRPC_OPTIONS
 
         options = GRPC_OPTIONS
     return grpc.aio.insecure_channel(address, options=options, interceptors=client_interceptors(token))

@@ -9,7 +9,7 @@ through the model's own ``get_image_features``, the splice uses its image token
 id, and the decoder layers run as they are with only attention redirected to the
 KV block pool (see ``paged_attention``). Supported families and what a new one
 needs are listed in ARCHITECTURE.md; ``load`` refuses anything else before
-reading weights (``runtime.supported_models``).
+reading weights (``runtime.model.supported_models``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from . import paged_attention, supported_models
-from .errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
-from .kv_pool import KVBlockPool, KVLayout
-from .paged_attention import PagedBatch, SequenceSpan
-from .sampling import SamplingParams, sample_token
+from runtime.model import paged_attention, supported_models
+from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
+from runtime.model.kv_pool import KVBlockPool, KVLayout
+from runtime.model.paged_attention import PagedBatch, SequenceSpan
+from runtime.model.sampling import SamplingParams, sample_token
 
 ACCEPTED_IMAGE_MODES = {"RGB", "RGBA", "L", "LA", "P", "CMYK", "YCbCr"}
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.cost_model import CostModel
+from runtime.policy.cost_model import CostModel
 
 Mode = Literal["colocated", "disaggregated", "conditional"]
 MODES: tuple[str, ...] = ("colocated", "disaggregated", "conditional")

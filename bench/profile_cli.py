@@ -6,7 +6,7 @@ stage's service time, so the load is shaped to keep the stages out of each other
 
 1. one request at a time, fresh images, prompts of several lengths: encodes, transfers,
    batch-1 decode steps, and one prefill point per request -- the sum of its prefill
-   passes at its prompt tokens, the per-request definition ``runtime.cost_model`` uses
+   passes at its prompt tokens, the per-request definition ``runtime.policy.cost_model`` uses
    (the fixed cost once per request however many chunks). Decode steps are kept from the
    shortest prompts only: a step over a long context is slower, and the table, like the bursts
    below, is by batch size at a short context. The gateway's own CPU seconds
@@ -50,10 +50,10 @@ import httpx
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime import service_times as st
-from runtime.cost_model import CostModel
+from runtime.policy import service_times as st
+from runtime.policy.cost_model import CostModel
 from runtime.demo_model.shapes import draw_shape
-from runtime.internal_auth import open_channel, token_from_env
+from runtime.worker.internal_auth import open_channel, token_from_env
 
 _STUBS = {"encoder": pb_grpc.EncoderStub, "prefill": pb_grpc.PrefillStub, "decode": pb_grpc.DecodeStub}
 _FILLER = "the quick brown fox jumps over the lazy dog near a small house by the road".split()

@@ -25,10 +25,10 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.epd.v1 import epd_pb2
 
-from .discovery import WorkerRegistration
-from .internal_auth import TOKEN_ENV, exposure_problem, server_interceptors
-from .settings import WorkerSettings
-from .wire import GRPC_OPTIONS
+from runtime.worker.discovery import WorkerRegistration
+from runtime.worker.internal_auth import TOKEN_ENV, exposure_problem, server_interceptors
+from runtime.worker.settings import WorkerSettings
+from runtime.worker.wire import GRPC_OPTIONS
 
 log = logging.getLogger("epd.worker")
 
@@ -118,15 +118,15 @@ def run_worker(role: str, argv: list[str],
     """``epd <role>``: parse flags, build the role's server, serve until a signal, drain, close."""
     import torch
 
-    from .settings import parse_worker_args
-    from .worker_metrics import serve_worker_metrics
+    from runtime.worker.settings import parse_worker_args
+    from runtime.worker.worker_metrics import serve_worker_metrics
 
     settings = parse_worker_args(role, argv)
     problem = exposure_problem(settings.host, settings.internal_token, settings.allow_unauthenticated)
     if problem:   # before loading anything: one clear line, exit status 2
         print(f"epd {role}: {problem}", file=sys.stderr)
         return 2
-    from .supported_models import UnsupportedModel, check_checkpoint
+    from runtime.model.supported_models import UnsupportedModel, check_checkpoint
 
     try:
         check_checkpoint(settings.model)   # before loading anything: one line, not a traceback

@@ -1,7 +1,7 @@
 """The pipeline's service-time model, calibrated online from measured stage timings.
 
 ``CostModel`` answers "how long will this take" for every stage (prefill, chunked
-prefill, KV size and transfer, decode step, encode) from four fits (``runtime.fits``):
+prefill, KV size and transfer, decode step, encode) from four fits (``runtime.policy.fits``):
 
     prefill_ms(tokens)    = a_p + b_p x tokens + c_p x tokens^2   (c_p: attention; 0 in the chapter)
     decode_step_ms(batch) = a_d + b_d x batch
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime import service_times as st
-from runtime.fits import LinearFit, QuadraticFit
-from runtime.service_times import ServiceTimes
+from runtime.policy import service_times as st
+from runtime.policy.fits import LinearFit, QuadraticFit
+from runtime.policy.service_times import ServiceTimes
 
 
 def _medians_by_size(points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:

@@ -26,7 +26,7 @@ from enum import StrEnum
 
 import redis.asyncio as aioredis
 
-from .discovery import list_workers
+from runtime.worker.discovery import list_workers
 
 log = logging.getLogger("epd.peers")
 

@@ -1,0 +1,1 @@
+"""Model execution: the E/P/D split of a Hugging Face VLM (adapter, paged attention, KV block pool, sampling, tensor bytes, the supported-family check). Owns nothing across requests; used by every service."""

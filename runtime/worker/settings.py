@@ -1,0 +1,127 @@
+"""Worker settings: typed, from ``EPD_*`` environment variables, overridable by CLI flags.
+
+The same variables configure ``epd serve``, docker compose and Kubernetes.
+Invalid values raise a clear error at start-up, never later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from runtime.worker.internal_auth import validate_token
+
+DEFAULT_PORTS = {"encoder": 50051, "prefill": 50052, "decode": 50053}
+
+AddressList = Annotated[list[str], NoDecode]   # "host:port,host:port", as the gateway's lists
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore",
+                                      hide_input_in_errors=True)   # errors never echo EPD_INTERNAL_TOKEN
+
+    model: str = Field(default="models/demo-vlm", description="model directory (a Hugging Face checkpoint)")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="`cpu` or `cuda`")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="weights and KV dtype (default: the checkpoint's)")
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=0, ge=0, le=65535,
+                      description="listening port (workers: 0 means the role's default, encoder 50051, prefill 50052, decode 50053)")
+    advertise_host: str | None = Field(default=None, description="address others reach this worker at (default: the bind host, or this host's IP when bound to 0.0.0.0)")
+    redis_url: str | None = Field(default=None, description="Redis for discovery and the shared encoder cache (unset: static lists, in-process cache)")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="worker Prometheus metrics port (unset: none)")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="graceful drain on SIGTERM, seconds")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="Redis registration heartbeat, seconds (the entry lives three)")
+    # encoder
+    encoder_max_batch: int = Field(default=16, ge=1, description="encoder: images per vision-tower batch")
+    encoder_batch_window_ms: float = Field(default=3.0, ge=0, description="encoder: how long a batch waits for more images")
+    cache_max_mb: int = Field(default=256, ge=1, description="encoder cache: in-process tier bound, MiB")
+    cache_ttl_s: int = Field(default=3600, ge=1, description="encoder cache: entry lifetime since last use, seconds")
+    max_images_per_request: int = Field(default=4, ge=0, description="images one request may carry (the gateway refuses more with 400)")
+    # prefill
+    prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
+    prefill_max_batch: int = Field(default=8, ge=1, description="prefill: prompts packed into one forward")
+    # decode
+    kv_memory_mb: int = Field(default=256, ge=1, description="decode: KV block pool budget, MiB")
+    kv_block_size: int = Field(default=16, ge=1, description="decode: tokens per KV block")
+    decode_max_batch: int = Field(default=64, ge=1, description="decode: sequences per step")
+    lease_margin_s: float = Field(default=10.0, ge=0, description="decode: a reservation's lease is its deadline plus this")
+    max_lease_s: float = Field(default=300.0, gt=0,
+                               description="decode: the longest a reservation may hold blocks before it is used, whatever deadline a caller sends")
+    kv_transport: Literal["bulk", "grpc"] = Field(
+        default="bulk", description="decode: `bulk` accepts KV on a raw TCP path beside gRPC, `grpc` only over PushKV")
+    bulk_port: int = Field(default=0, ge=0, le=65535, description="decode: bulk KV port (0: any free port, advertised in Reserve)")
+    bulk_idle_timeout_s: float = Field(default=30.0, gt=0, description="decode: a bulk KV stream silent this long is closed")
+    faults: str = Field(default="", description="fault injection spec, e.g. `drop_chunk=0.2,seed=1` (tests only; runtime/worker/faults.py)")
+    # security (runtime/worker/internal_auth.py, runtime/worker/peers.py): the token every worker RPC
+    # and bulk stream must carry, and the only peers this worker dials (plus the Redis registry)
+    internal_token: SecretStr | None = Field(default=None, description="shared secret every worker RPC and bulk KV stream must carry")
+    allow_unauthenticated: bool = Field(default=False, description="let a worker listen beyond loopback without a token (trusted networks only)")
+    encoder_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
+    decode_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
+
+    @field_validator("internal_token", mode="before")
+    @classmethod
+    def _token(cls, v: object) -> SecretStr | None:
+        return validate_token(v)
+
+    @field_validator("encoder_addrs", "decode_addrs", mode="before")
+    @classmethod
+    def _split_addresses(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _cuda_available(cls, v: str) -> str:
+        if v == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda requested but torch sees no CUDA device (install a CUDA build of torch)")
+        return v
+
+    def resolved_port(self, role: str) -> int:
+        return self.port or DEFAULT_PORTS[role]
+
+    def advertised_address(self, role: str, bound_port: int) -> str:
+        host = self.advertise_host
+        if not host:
+            if self.host in ("0.0.0.0", "::", ""):
+                try:
+                    host = socket.gethostbyname(socket.gethostname())
+                except OSError:
+                    host = "127.0.0.1"
+            else:
+                host = self.host
+        return f"{host}:{bound_port}"
+
+
+def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
+    """CLI flags override environment; unknown flags are an error."""
+    p = argparse.ArgumentParser(prog=f"epd {role}", description=f"run one {role} worker")
+    p.add_argument("--model")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--advertise-host")
+    p.add_argument("--redis-url")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--kv-memory-mb", type=int)
+    p.add_argument("--prefill-chunk-tokens", type=int)
+    p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
+    p.add_argument("--bulk-port", type=int)
+    p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")
+    p.add_argument("--encoder-addrs", help="comma-separated host:port of the encoders this worker may fetch from")
+    p.add_argument("--decode-addrs", help="comma-separated host:port of the decode workers this worker may push KV to")
+    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                   help="listen beyond loopback without EPD_INTERNAL_TOKEN (trusted networks only)")
+    args = p.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    return WorkerSettings(**overrides)
