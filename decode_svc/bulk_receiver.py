@@ -33,7 +33,7 @@ hands out its views only under that owner token (``KVBlockPool.host_views``).
 Wire format, one connection per transfer attempt::
 
     stream := preamble frame* end
-    preamble := "EPDB" | u8 version | HMAC-SHA256(EPD_INTERNAL_TOKEN)  (runtime/internal_auth.py)
+    preamble := "EPDB" | u8 version | HMAC-SHA256(EPD_INTERNAL_TOKEN)  (runtime/worker/internal_auth.py)
     frame  := u32 header_len | header (KVChunk, payload empty, payload_bytes = N) | N payload bytes
     end    := u32 0
     reply  := u32 len | PushKVResponse           (sent after `end`, then the server closes)
@@ -56,7 +56,7 @@ from runtime.worker.faults import FaultInjector
 from runtime.worker.internal_auth import BULK_MAGIC, BULK_PREAMBLE_BYTES, BULK_VERSION, bulk_preamble_ok
 from runtime.worker.wire import checksum_digest, payload_hasher
 
-from .kv_receiver import ChunkOutcome, ChunkResult, KVReceiver
+from .kv_receiver import ChunkOutcome, ChunkResult, KVReceiver, StreamTally
 from .reservations import Reservation
 
 log = logging.getLogger("epd.decode.bulk")
@@ -209,9 +209,7 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         self._filled = 0
         self._want = 4
         self._sink: _Discard | _Staged | _InPlace | None = None
-        self._counts = {"accepted": 0, "duplicates": 0, "rejected": 0}
-        self._detail = ""
-        self._last_reservation = ""
+        self._tally = StreamTally(server.receiver)
 
     def connection_made(self, transport):
         self.transport = transport
@@ -288,25 +286,16 @@ class _BulkProtocol(asyncio.BufferedProtocol):
             header = pb.KVChunk.FromString(bytes(self._header_buf[: self._want]))
             if header.payload_bytes <= 0:
                 raise ValueError(f"payload of {header.payload_bytes} bytes")
-            self._last_reservation = header.reservation.reservation_id
+            self._tally.saw(header)
             self._sink = self.server.sink_for(header)
             self._state = "payload"
 
     def _count(self, result: ChunkResult | None) -> None:
-        if result is None:
-            return
-        self.server.receiver.count(result)
-        key = {ChunkOutcome.ACCEPTED: "accepted", ChunkOutcome.DUPLICATE: "duplicates"}.get(result.outcome, "rejected")
-        self._counts[key] += 1
-        if result.outcome == ChunkOutcome.REJECTED:
-            self._detail = result.detail
+        if result is not None:          # None: a chunk the fault injector dropped
+            self._tally.record(result)
 
     def _reply(self) -> None:
-        res = self.server.receiver.table.get(self._last_reservation)
-        state = res.attempt.state.name if res is not None else ""
-        if res is not None:
-            self.server.on_stream_end(res)
-        body = pb.PushKVResponse(state=state, detail=self._detail, **self._counts).SerializeToString()
+        body = self._tally.reply().SerializeToString()
         self.transport.write(_LEN.pack(len(body)) + body)
         self.transport.close()
 
@@ -319,13 +308,12 @@ class BulkKVServer:
     never share bytes and steady state allocates nothing.
     """
 
-    def __init__(self, receiver: KVReceiver, faults: FaultInjector, on_stream_end=lambda res: None,
-                 idle_timeout_s: float = 30.0, token: SecretStr | None = None):
+    def __init__(self, receiver: KVReceiver, faults: FaultInjector, idle_timeout_s: float = 30.0,
+                 token: SecretStr | None = None):
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
         self.receiver = receiver
         self.faults = faults
-        self.on_stream_end = on_stream_end
         self.idle_timeout_s = idle_timeout_s
         self.token = token           # what every stream's preamble must prove (None: any preamble)
         self.refused_streams = 0

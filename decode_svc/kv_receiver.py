@@ -19,7 +19,9 @@ cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's token
 digest and model fingerprint equal the reservation's. Out-of-order arrival is
 fine. Payload bytes are copied once: from the message buffer into the pool (gRPC), or
 from the socket straight into the pool (the bulk path uses ``admit`` / ``accept`` around
-its own in-place receive).
+its own in-place receive). Each stream, on either path, keeps a ``StreamTally`` of
+its chunks' outcomes and ends with its reply: the counts and the transfer state of
+the last chunk's reservation (``PushKVResponse.state``, ``to_wire``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ import torch
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.tensor_bytes import dtype_from_name, dtype_name
+from runtime.worker.transfer_state import TransferState, to_wire
 from runtime.worker.wire import payload_checksum
 
 from .reservations import Reservation, ReservationTable
-from .transfer_state import TransferState
 
 
 class ChunkOutcome(Enum):
@@ -68,8 +70,8 @@ class KVReceiver:
         """Every check that needs only the header and the payload's size. ``(res, None)`` means
         the payload may land in ``res``'s blocks; otherwise the result says why not (and nothing
         is written)."""
-        res = self.table.get(chunk.reservation.reservation_id)
-        if res is None or res.released:
+        res = self.table.get(chunk.reservation.reservation_id)   # the table holds live reservations only
+        if res is None:
             return None, ChunkResult(ChunkOutcome.REJECTED, "unknown or released reservation")
         attempt = res.attempt
         if chunk.reservation.generation != attempt.generation:
@@ -175,3 +177,28 @@ class KVReceiver:
             attempt.set_state(TransferState.FAILED, "model/cache fingerprint mismatch between prefill and decode")
         else:
             attempt.set_state(TransferState.SUCCESS)
+
+
+class StreamTally:
+    """One push stream's chunk outcomes (each also counted in ``KVReceiver.outcomes``) and its reply."""
+
+    def __init__(self, receiver: KVReceiver):
+        self._receiver = receiver
+        self._counts = {o: 0 for o in ChunkOutcome}
+        self._detail = ""              # the last rejection's reason
+        self._reservation_id = ""      # the last chunk's: the reply reports its transfer state
+
+    def saw(self, header: pb.KVChunk) -> None:
+        self._reservation_id = header.reservation.reservation_id
+
+    def record(self, result: ChunkResult) -> None:
+        self._receiver.count(result)
+        self._counts[result.outcome] += 1
+        if result.outcome == ChunkOutcome.REJECTED:
+            self._detail = result.detail
+
+    def reply(self) -> pb.PushKVResponse:
+        state = self._receiver.table.transfer_state(self._reservation_id) if self._reservation_id else None
+        return pb.PushKVResponse(accepted=self._counts[ChunkOutcome.ACCEPTED],
+                                 duplicates=self._counts[ChunkOutcome.DUPLICATE],
+                                 rejected=self._counts[ChunkOutcome.REJECTED], state=to_wire(state), detail=self._detail)

@@ -1,11 +1,16 @@
 """Reservations: decode blocks committed to one request before any KV moves.
 
-Lifecycle of a reservation (one owner: the decode worker's ``ReservationTable``)::
+Lifecycle of a reservation (one owner: the decode worker's ``ReservationTable``; its
+``DecodeStatus``, ``request_status.py``, moves only through the table's methods)::
 
-    reserve ──> attempt(gen 1): WAITING_FOR_INPUT ─chunk─> TRANSFERRING ─all chunks verified─> SUCCESS ─> inserted
-                     │                                                                     (running sequence)
-                     └─ FAILED ──rearm──> attempt(gen 2) ...
-    any state ──release──> gone (blocks back in the pool, pending chunks dropped), exactly once
+    reserve ──> RESERVED ─attach (Generate)─> RECEIVING ─mark_inserted─> INSERTED (its sequence runs)
+                  transfer attempt(gen 1): WAITING_FOR_INPUT ─chunk─> TRANSFERRING ─all verified─> SUCCESS
+                     └─ FAILED ──rearm──> RESERVED, attempt(gen 2) ...
+    any status ──release──> RELEASED (blocks back in the pool, pending chunks dropped), exactly once
+
+``can_reserve`` / ``reserve`` are a check and its commit: the check has no side
+effect and says whether the blocks are there now (or could ever be); the commit
+takes them, or returns ``None`` and takes nothing.
 
 Every retirement path (finished, failed transfer, cancel, client disconnect,
 deadline, lease expiry) ends in ``ReservationTable.release``, which is idempotent:
@@ -29,10 +34,12 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
+from enum import Enum
 
 from runtime.model.kv_pool import KVBlockPool
+from runtime.worker.transfer_state import TransferState, advance
 
-from .transfer_state import TransferState, advance
+from .request_status import DecodeStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +57,6 @@ class TransferAttempt:
 
     generation: int
     owner: int                                      # pool owner token of the blocks for this generation
-    claimed: bool = False                           # a Generate is attached to this generation
     state: TransferState = TransferState.BOOTSTRAPPING
     received: dict[int, tuple[int, int]] = field(default_factory=dict)  # chunk index -> token range
     landing: set[int] = field(default_factory=set)   # chunk indices being received in place (bulk path)
@@ -87,8 +93,11 @@ class Reservation:
     alloc_ms: float
     attempt: TransferAttempt     # the current generation; replaced by ``rearm``
     created_at: float = field(default_factory=time.monotonic)
-    inserted: bool = False
-    released: bool = False
+    _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
+
+    @property
+    def status(self) -> DecodeStatus:
+        return self._status
 
     @property
     def generation(self) -> int:
@@ -100,12 +109,34 @@ class Reservation:
 
     def holds(self, lease: Lease) -> bool:
         """Whether ``lease`` is still this reservation's live generation (not released, not re-armed)."""
-        return not self.released and self.attempt.owner == lease.owner
+        return self.status is not DecodeStatus.RELEASED and self.attempt.owner == lease.owner
+
+    @property
+    def before_insertion(self) -> bool:
+        """Blocks held for a request not yet in the batch (what the lease reaper may free)."""
+        return self.status < DecodeStatus.INSERTED
 
     @property
     def pending_chunks(self) -> int:
         """Chunks landed but not yet handed to the running batch."""
-        return 0 if self.inserted or self.released else len(self.attempt.received)
+        return len(self.attempt.received) if self.before_insertion else 0
+
+
+class Fit(Enum):
+    """``ReservationTable.can_reserve``'s answer."""
+
+    NOW = "now"                   # the blocks are free: ``reserve`` takes them
+    NO_ROOM = "no room"           # not now: too few blocks free
+    NEVER = "never"               # more blocks than the whole pool
+
+
+class AttachRefused(Enum):
+    """Why ``ReservationTable.attach`` did not attach a Generate."""
+
+    GONE = "no such reservation (released or expired)"
+    GENERATING = "reservation already generating"
+    STALE_GENERATION = "stale reservation generation"
+    ATTACHED = "another Generate is attached to this reservation"
 
 
 class ReservationTable:
@@ -121,11 +152,12 @@ class ReservationTable:
         self.reaped_total = 0        # released by the lease reaper: a leak somebody else should have freed
 
     # -- check, then commit -----------------------------------------------------
-    def can_reserve(self, prompt_tokens: int, max_tokens: int) -> bool:
-        return self.pool.can_allocate(prompt_tokens + max_tokens)
-
-    def fits_at_all(self, prompt_tokens: int, max_tokens: int) -> bool:
-        return self.pool.blocks_for(prompt_tokens + max_tokens) <= self.pool.num_blocks
+    def can_reserve(self, prompt_tokens: int, max_tokens: int) -> Fit:
+        """Whether ``reserve`` would get its blocks now; no side effect."""
+        blocks = self.pool.blocks_for(prompt_tokens + max_tokens)
+        if blocks > self.pool.num_blocks:
+            return Fit.NEVER
+        return Fit.NOW if blocks <= self.pool.free_blocks else Fit.NO_ROOM
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
                 token_digest: str, model_fingerprint: str) -> Reservation | None:
@@ -156,26 +188,57 @@ class ReservationTable:
         return res
 
     def get(self, reservation_id: str) -> Reservation | None:
+        """The live reservation (never a released one), to read; its status changes only through this table."""
         return self._by_id.get(reservation_id)
 
-    def rearm(self, reservation_id: str) -> Reservation | None:
-        """New transfer attempt (generation + 1) into the same blocks; stale chunks will be rejected."""
+    def transfer_state(self, reservation_id: str) -> TransferState | None:
+        """The current attempt's transfer state; ``None`` when no live reservation has that id."""
         res = self._by_id.get(reservation_id)
-        if res is None or res.inserted or res.released:
+        return None if res is None else res.attempt.state
+
+    def attach(self, reservation_id: str, generation: int) -> Reservation | AttachRefused:
+        """RESERVED -> RECEIVING: one Generate per generation, and none once the sequence is inserted."""
+        res = self._by_id.get(reservation_id)
+        if res is None:
+            return AttachRefused.GONE
+        if not res.before_insertion:
+            return AttachRefused.GENERATING
+        if generation != res.generation:
+            return AttachRefused.STALE_GENERATION
+        if res.status is DecodeStatus.RECEIVING:
+            return AttachRefused.ATTACHED
+        res._status = DecodeStatus.RECEIVING
+        return res
+
+    def mark_inserted(self, lease: Lease) -> bool:
+        """RECEIVING -> INSERTED, only while ``lease`` is the reservation's live generation (else nothing
+        changes and the caller must not insert). From here only the sequence's retirement frees the blocks."""
+        res = self._by_id.get(lease.reservation_id)
+        if res is None or not res.holds(lease) or res.status is not DecodeStatus.RECEIVING:
+            return False
+        res._status = DecodeStatus.INSERTED
+        return True
+
+    def rearm(self, reservation_id: str) -> Reservation | None:
+        """New transfer attempt (generation + 1) into the same blocks, back to RESERVED; stale chunks will
+        be rejected. ``None`` when the reservation is gone or already inserted."""
+        res = self._by_id.get(reservation_id)
+        if res is None or not res.before_insertion:
             return None
         res.attempt.done.set()  # wake anyone waiting on the old attempt
         owner = self.pool.new_token()
         self.pool.retag(res.blocks, res.attempt.owner, owner)   # the old generation's writes are fenced
         res.attempt = TransferAttempt(generation=res.generation + 1, owner=owner)
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)
+        res._status = DecodeStatus.RESERVED
         return res
 
     def release(self, reservation_id: str, reason: str = "") -> bool:
         """Free blocks and chunk bookkeeping exactly once. Returns whether this call freed them."""
         res = self._by_id.pop(reservation_id, None)
-        if res is None or res.released:
+        if res is None:
             return False
-        res.released = True
+        res._status = DecodeStatus.RELEASED
         if not res.attempt.state.terminal:
             res.attempt.set_state(TransferState.FAILED, reason or "released")
         res.attempt.received.clear()
@@ -191,9 +254,13 @@ class ReservationTable:
         res = self._by_id.get(lease.reservation_id)
         return res is not None and res.holds(lease) and self.release(lease.reservation_id, reason)
 
+    def release_all(self, reason: str) -> int:
+        """Release every reservation (the worker is stopping); returns how many this call freed."""
+        return sum(self.release(rid, reason) for rid in list(self._by_id))
+
     def expired(self, now: float | None = None) -> list[Reservation]:
         now = time.monotonic() if now is None else now
-        return [r for r in self._by_id.values() if not r.inserted and r.lease_expires_at < now]
+        return [r for r in self._by_id.values() if r.before_insertion and r.lease_expires_at < now]
 
     def reap_expired(self, now: float | None = None) -> list[Reservation]:
         """Release every reservation whose lease has ended (never an inserted one); counted."""
@@ -205,6 +272,11 @@ class ReservationTable:
     @property
     def active(self) -> int:
         return len(self._by_id)
+
+    @property
+    def waiting(self) -> int:
+        """Reservations whose request is not in the batch yet (reserved, or receiving its KV)."""
+        return sum(r.before_insertion for r in self._by_id.values())
 
     @property
     def pending_chunks(self) -> int:

@@ -1,10 +1,11 @@
 """Continuous batching on a decode worker.
 
-Queues, in order (moving a sequence from one to the next IS its state change)::
+Queues, in order (moving a sequence from one to the next IS its state change; its
+``DecodeStatus``, ``request_status.py``, names the queue and only this scheduler moves it)::
 
     reservations (transfer in flight; see reservations.py)
-        └─ verified ─> insert() ─> running ─> retired (finished | cancelled)
-    colocated prompts ─> prefilling (chunked, interleaved with decode steps) ─> running
+        └─ verified ─> insert() ─> running (RUNNING) ─> retired (FINISHED_*)
+    colocated prompts ─> insert_colocated() ─> prefilling (PREFILLING, chunked, interleaved with decode steps) ─> running
 
 One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
@@ -13,14 +14,16 @@ its neighbours for its whole length. Sequences join and leave only at step
 boundaries; tokens are pushed to each sequence's queue after every step.
 
 Threading: the forward runs in a worker thread; all bookkeeping happens on the
-event loop between steps, so no lock is needed. Retiring a sequence calls the
-``on_retire`` callback exactly once, which releases its reservation.
+event loop between steps, so no lock is needed. ``cancel`` only marks a sequence:
+it leaves at the next step boundary, never while a forward may be writing its
+blocks. Retiring a sequence (FINISHED_STOPPED, _LENGTH, _CANCELLED, _ABORTED or
+_ERROR) calls the ``on_retire`` callback exactly once, which releases its reservation.
 
 Leases: every sequence carries the ``Lease`` of the reservation generation it was
 started for. Joining the batch and every step (on the event loop, right before the
 forward is dispatched) check that the pool's blocks still carry that lease's owner
 token; a sequence whose lease is gone (released, re-armed or expired under it) is
-retired with ``"aborted"`` and never written — whatever path forgot to stop it.
+retired FINISHED_ABORTED and never written — whatever path forgot to stop it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from runtime.model.sampling import SamplingParams, sample_token
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
+from .request_status import DecodeStatus, finish_reason
 from .reservations import Lease
 
 log = logging.getLogger("epd.decode")
@@ -47,8 +51,12 @@ log = logging.getLogger("epd.decode")
 @dataclass(slots=True)
 class StepEvent:
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop" | "length" | "cancelled" | "aborted" (lease lost) | "error"
+    end: DecodeStatus | None = None    # the sequence's finished status on its last event
     detail: str = ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.end)
 
 
 @dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
@@ -65,9 +73,13 @@ class Sequence:
     prompt_embeds: torch.Tensor | None = None
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
-    cancelled: bool = False
-    finished: bool = False
     first_step_ms: float | None = None
+    _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
+
+    @property
+    def status(self) -> DecodeStatus:
+        """RECEIVING until the scheduler takes it, then PREFILLING / RUNNING, then a FINISHED_* status."""
+        return self._status
 
     @property
     def reservation_id(self) -> str:
@@ -81,17 +93,18 @@ class Sequence:
 
 class DecodeScheduler:
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 64,
-                 prefill_token_budget: int = 256, on_retire: Callable[[Sequence, str], None] | None = None,
+                 prefill_token_budget: int = 256, on_retire: Callable[[Sequence], None] | None = None,
                  timings: TimingLog | None = None, step_delay_s: float = 0.0):
         self.adapter = adapter
         self.pool = pool
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
-        self.on_retire = on_retire or (lambda seq, reason: None)
+        self.on_retire = on_retire or (lambda seq: None)
         self.timings = timings or TimingLog()
         self.step_delay_s = step_delay_s   # fault injection (``delay_step_ms``): every step waits first
-        self.running: list[Sequence] = []
-        self.prefilling: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._prefilling: list[Sequence] = []
+        self._cancelling: set[Sequence] = set()   # marked by cancel(); retired at the next step boundary
         self.max_observed_batch = 0
         self.steps = 0
         self._wake = asyncio.Event()
@@ -103,7 +116,8 @@ class DecodeScheduler:
         if self._lease_lost(seq):
             return
         if self._accept(seq, first_token):
-            self.running.append(seq)
+            seq._status = DecodeStatus.RUNNING
+            self._running.append(seq)
         self._wake.set()
 
     def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor, chunk_tokens: int | None = None) -> None:
@@ -112,21 +126,43 @@ class DecodeScheduler:
             return
         seq.prompt_embeds = prompt_embeds
         seq.prefill_chunk = chunk_tokens
-        self.prefilling.append(seq)
+        seq._status = DecodeStatus.PREFILLING
+        self._prefilling.append(seq)
         self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
-        """Mark for removal; it leaves at the next step boundary (or now if idle)."""
-        seq.cancelled = True
-        self._wake.set()
+        """Mark for removal; it leaves at the next step boundary (or now if idle). No-op unless it is held."""
+        if self.holds(seq):
+            self._cancelling.add(seq)
+            self._wake.set()
+
+    def cancel_reservation(self, reservation_id: str) -> bool:
+        """``cancel`` the sequence that runs in ``reservation_id``'s blocks; whether there was one."""
+        found = [s for s in (*self._running, *self._prefilling) if s.reservation_id == reservation_id]
+        for seq in found:
+            self.cancel(seq)
+        return bool(found)
+
+    # -- queries ----------------------------------------------------------------
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is in one of the queues (PREFILLING or RUNNING): then its retirement frees its blocks."""
+        return seq.status in (DecodeStatus.PREFILLING, DecodeStatus.RUNNING)
+
+    @property
+    def running_seqs(self) -> int:
+        return len(self._running)
+
+    @property
+    def prefilling_seqs(self) -> int:
+        return len(self._prefilling)
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return sum(s.prompt_len - s.prefilled for s in self.prefilling)
+        return sum(s.prompt_len - s.prefilled for s in self._prefilling)
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.prefilling)
+        return bool(self._running or self._prefilling)
 
     # -- the loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -134,8 +170,8 @@ class DecodeScheduler:
 
     async def stop(self) -> None:
         await stop_loop(self._task)
-        for seq in [*self.running, *self.prefilling]:
-            self._retire(seq, "cancelled", "worker stopping")
+        for seq in [*self._running, *self._prefilling]:
+            self._retire(seq, DecodeStatus.FINISHED_CANCELLED, "worker stopping")
 
     async def _loop(self) -> None:
         while True:
@@ -151,32 +187,33 @@ class DecodeScheduler:
                 await self._step()
             except Exception as exc:  # a failed step fails its sequences, never the worker
                 log.exception("decode step failed")
-                for seq in [*self.running, *self.prefilling]:
-                    self._retire(seq, "error", f"decode step failed: {exc}")
+                for seq in [*self._running, *self._prefilling]:
+                    self._retire(seq, DecodeStatus.FINISHED_ERROR, f"decode step failed: {exc}")
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in (*self.running, *self.prefilling) if s.cancelled]:
-            self._retire(seq, "cancelled", "cancelled")
+        cancelling, self._cancelling = self._cancelling, set()
+        for seq in cancelling:
+            self._retire(seq, DecodeStatus.FINISHED_CANCELLED, "cancelled")
 
     def _lease_lost(self, seq: Sequence) -> bool:
-        """Retire ``seq`` ("aborted") if its blocks no longer carry its lease's owner token."""
+        """Retire ``seq`` (FINISHED_ABORTED) if its blocks no longer carry its lease's owner token."""
         if self.pool.owns(seq.blocks, seq.lease.owner):
             return False
         log.error("sequence %s lost its reservation %s (generation %d); retired unwritten",
                   seq.request_id, seq.reservation_id, seq.lease.generation)
-        self._retire(seq, "aborted", "reservation released while the sequence held it; nothing was written")
+        self._retire(seq, DecodeStatus.FINISHED_ABORTED, "reservation released while the sequence held it; nothing was written")
         return True
 
     async def _step(self) -> None:
         # the fence: no await between this check and dispatching the forward below
-        for seq in [*self.running, *self.prefilling]:
+        for seq in [*self._running, *self._prefilling]:
             self._lease_lost(seq)
         if not self.busy:
             return
-        decoding = self.running[: self.max_batch]
+        decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
         budget = self.prefill_token_budget
-        for seq in self.prefilling:
+        for seq in self._prefilling:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled
@@ -197,15 +234,15 @@ class DecodeScheduler:
             self.timings.record("prefill", sum(e - s for _, s, e in chunks), step_ms)
 
         for seq, token in zip(decoding, next_tokens):
-            if seq.cancelled or seq.finished:
+            if seq in self._cancelling or seq.status.is_finished:
                 continue
             self._accept(seq, token)
         for (seq, _, end), token in zip(chunks, first_tokens):
             seq.prefilled = end
-            if token is None or seq.cancelled:
+            if token is None or seq in self._cancelling:
                 continue
             seq.first_step_ms = step_ms
-            self.prefilling.remove(seq)
+            self._prefilling.remove(seq)
             seq.prompt_embeds = None
             self.insert(seq, token)
 
@@ -228,24 +265,26 @@ class DecodeScheduler:
     def _accept(self, seq: Sequence, token: int) -> bool:
         """Emit ``token`` (unless EOS) and retire the sequence if it is done. True while it runs on."""
         if token in self.adapter.eos_token_ids:
-            self._retire(seq, "stop")  # EOS ends the turn and is not content
+            self._retire(seq, DecodeStatus.FINISHED_STOPPED)  # EOS ends the turn and is not content
             return False
         seq.output.append(token)
         seq.events.put_nowait(StepEvent([token]))
         if len(seq.output) >= seq.max_tokens or seq.prompt_len + len(seq.output) >= self.adapter.context_length:
-            self._retire(seq, "length")
+            self._retire(seq, DecodeStatus.FINISHED_LENGTH)
             return False
         return True
 
-    def _retire(self, seq: Sequence, reason: str, detail: str = "") -> None:
-        if seq.finished:
+    def _retire(self, seq: Sequence, end: DecodeStatus, detail: str = "") -> None:
+        """Leave the batch for good with the finished status ``end``; once per sequence (later calls are no-ops)."""
+        if seq.status.is_finished:
             return
-        seq.finished = True
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
+        seq._status = end
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        self._cancelling.discard(seq)
         seq.prompt_embeds = None
-        seq.events.put_nowait(StepEvent([], reason, detail))
-        self.on_retire(seq, reason)
+        seq.events.put_nowait(StepEvent([], end, detail))
+        self.on_retire(seq)
 

@@ -1,7 +1,13 @@
 """The Decode gRPC service: reserve, receive KV, verify, insert, stream tokens.
 
-Who frees what: the reservation table owns blocks. A reservation is released
-(exactly once, ``ReservationTable.release`` is idempotent) by
+Who owns what: the reservation table owns blocks and each reservation's status
+(RESERVED -> RECEIVING -> INSERTED, ``request_status.py``), the scheduler each
+inserted sequence's (PREFILLING -> RUNNING -> FINISHED_*); this servicer moves
+them only through their methods (``attach``, ``mark_inserted``, ``insert``,
+``cancel``) and reads them through their queries.
+
+Who frees what: a reservation is released (exactly once,
+``ReservationTable.release`` is idempotent) by
   - the scheduler's retire callback, once the sequence was inserted (only while
     the sequence's lease is still the reservation's: ``release_lease``);
   - ``Generate`` itself when it ends before insertion (deadline, cancel, error),
@@ -9,17 +15,18 @@ Who frees what: the reservation table owns blocks. A reservation is released
     retry into it (``Rearm``) while its lease lasts;
   - ``Release`` from the gateway (for an inserted sequence: it is cancelled, and
     its retirement frees);
-  - the lease reaper, for reservations nobody claimed in time (counted:
+  - the lease reaper, for reservations not inserted in time (counted:
     ``lease_reaped_total``). A lease never outlasts ``max_lease_s`` (+ margin).
 
 A ``Generate`` holds the ``Lease`` of the generation it was started for. After
 every await before insertion (the KV transfer; a colocated prompt's embedding
 fetch and ``embed``) it checks the reservation still holds that lease, else it
-ends with ABORTED and inserts nothing; the scheduler and the pool check the lease
-again before any write (see ``scheduler.py``, ``runtime/kv_pool.py``).
+ends with ABORTED and inserts nothing (the last check is ``mark_inserted`` itself);
+the scheduler and the pool check the lease again before any write (see
+``scheduler.py``, ``runtime/model/kv_pool.py``).
 
 An embedding-fetch failure is this request's, not this worker's: FAILED_PRECONDITION
-with ``epd-failure: embedding_fetch`` (``runtime/rpc_failure.py``), never UNAVAILABLE.
+with ``epd-failure: embedding_fetch`` (``runtime/worker/rpc_failure.py``), never UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -33,19 +40,20 @@ import grpc
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
-from runtime.worker.grpc_server import wait_until_idle
 from runtime.model.errors import AdapterInputError
-from runtime.worker.faults import FaultInjector
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.faults import FaultInjector
 from runtime.worker.rpc_failure import FailureKind, abort_with
+from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
+from runtime.worker.transfer_state import TransferState
 from runtime.worker.wire import sampling_from_pb, token_digest
 
-from .kv_receiver import ChunkOutcome, KVReceiver
-from .reservations import Lease, Reservation, ReservationTable
+from .kv_receiver import KVReceiver, StreamTally
+from .request_status import DecodeStatus, finish_reason
+from .reservations import AttachRefused, Fit, Lease, Reservation, ReservationTable
 from .scheduler import DecodeScheduler, Sequence
-from .transfer_state import TransferState
 
 log = logging.getLogger("epd.decode")
 
@@ -56,9 +64,13 @@ def unix_ms_to_monotonic(deadline_unix_ms: int, default_s: float = 600.0) -> flo
     return time.monotonic() + (deadline_unix_ms / 1000.0 - time.time())
 
 
-# a sequence retired for one of these reasons ends its Generate with this status
-_ABORT_CODES = {"cancelled": grpc.StatusCode.CANCELLED, "aborted": grpc.StatusCode.ABORTED,
-                "error": grpc.StatusCode.INTERNAL}
+# a sequence that ends in one of these statuses ends its Generate with this gRPC status
+_ABORT_CODES = {DecodeStatus.FINISHED_CANCELLED: grpc.StatusCode.CANCELLED,
+                DecodeStatus.FINISHED_ABORTED: grpc.StatusCode.ABORTED,
+                DecodeStatus.FINISHED_ERROR: grpc.StatusCode.INTERNAL}
+_ATTACH_CODES = {AttachRefused.GONE: grpc.StatusCode.NOT_FOUND, AttachRefused.GENERATING: grpc.StatusCode.ALREADY_EXISTS,
+                 AttachRefused.STALE_GENERATION: grpc.StatusCode.FAILED_PRECONDITION,
+                 AttachRefused.ATTACHED: grpc.StatusCode.ALREADY_EXISTS}
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -75,9 +87,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
-        self.address = ""
+        self.state = ServingState("decode", self.timings, adapter.model_fingerprint)
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
-        self.serving = True
         self._reaper: asyncio.Task | None = None
         self._on_stop: list = []
 
@@ -85,9 +96,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.scheduler.start()
         self._reaper = asyncio.create_task(self._reap_leases(), name="lease-reaper")
 
-    def on_stop(self, callback) -> None:
-        """Register an async cleanup (e.g. the bulk KV server) run by ``close``."""
-        self._on_stop.append(callback)
+    def add_bulk_path(self, address: str, stop) -> None:
+        """The bulk KV path listens on ``address`` (advertised in every Reserve reply); ``stop`` ends it in ``close``."""
+        self.bulk_address = address
+        self._on_stop.append(stop)
 
     async def close(self) -> None:
         for callback in self._on_stop:
@@ -95,17 +107,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if self._reaper:
             self._reaper.cancel()
         await self.scheduler.stop()
-        for rid in list(self.table._by_id):
-            self.table.release(rid, "worker stopping")
+        self.table.release_all("worker stopping")
         await self.fetcher.close()
 
-    async def drain(self, timeout_s: float) -> None:
-        """Accepted requests finish; new reservations are refused meanwhile."""
-        self.serving = False
-        await wait_until_idle(lambda: self.table.active or self.scheduler.busy, timeout_s)
+    def busy(self) -> bool:
+        """What a drain waits for: reservations held or sequences in the batch (new Reserves are refused)."""
+        return bool(self.table.active or self.scheduler.busy)
 
-    def _on_retire(self, seq: Sequence, reason: str) -> None:
-        self.table.release_lease(seq.lease, reason)
+    def _on_retire(self, seq: Sequence) -> None:
+        self.table.release_lease(seq.lease, finish_reason(seq.status) or "retired")
 
     async def _reap_leases(self) -> None:
         while True:
@@ -115,32 +125,29 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     # -- RPCs ---------------------------------------------------------------------
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        if not self.serving:
+        if not self.state.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         if request.prompt_tokens < 1 or request.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens and max_tokens must be >= 1")
         if request.model_fingerprint and request.model_fingerprint != self.adapter.model_fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model fingerprint differs from this decode worker's")
-        if not self.table.fits_at_all(request.prompt_tokens, request.max_tokens):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{request.prompt_tokens + request.max_tokens} tokens can never fit this worker's KV pool")
-        res = self.table.reserve(request.request_id, request.prompt_tokens, request.max_tokens,
-                                 unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
-                                 request.model_fingerprint or self.adapter.model_fingerprint)
+        tokens = request.prompt_tokens + request.max_tokens
+        fit = self.table.can_reserve(request.prompt_tokens, request.max_tokens)
+        if fit is Fit.NEVER:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tokens} tokens can never fit this worker's KV pool")
+        # the commit right after its check, no await between: it takes the blocks the check saw free
+        res = self.table.reserve(
+            request.request_id, request.prompt_tokens, request.max_tokens, unix_ms_to_monotonic(request.deadline_unix_ms),
+            request.token_digest, request.model_fingerprint or self.adapter.model_fingerprint) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room for {request.prompt_tokens + request.max_tokens} tokens "
-                                f"({self.pool.free_blocks} free blocks)")
+                                f"no room for {tokens} tokens ({self.pool.free_blocks} free blocks)")
         return self._reserve_response(res)
 
     def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
         return pb.ReserveResponse(
             reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
             blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address)
-
-    def stream_ended(self, res: Reservation) -> None:
-        """After a push stream ends (gRPC or bulk). No link-time sample is taken here: first chunk to
-        verified includes waiting for prefill to compute later chunks; the sender times each chunk."""
 
     async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:
         res = self.table.rearm(request.reservation.reservation_id)
@@ -149,49 +156,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return self._reserve_response(res)
 
     async def PushKV(self, request_iterator, context) -> pb.PushKVResponse:
-        accepted = duplicates = rejected = 0
-        last = None
-        detail = ""
+        tally = StreamTally(self.receiver)
         async for chunk in request_iterator:
             chunk = self.faults.mangle_chunk(chunk)
             if chunk is None:
                 continue
-            result = self.receiver.count(self.receiver.land(chunk))
-            last = chunk
-            if result.outcome == ChunkOutcome.ACCEPTED:
-                accepted += 1
-            elif result.outcome == ChunkOutcome.DUPLICATE:
-                duplicates += 1
-            else:
-                rejected += 1
-                detail = result.detail
-        state = ""
-        if last is not None and (res := self.table.get(last.reservation.reservation_id)) is not None:
-            state = res.attempt.state.name
-            self.stream_ended(res)
-        return pb.PushKVResponse(accepted=accepted, duplicates=duplicates, rejected=rejected, state=state, detail=detail)
+            tally.saw(chunk)
+            tally.record(self.receiver.land(chunk))
+        return tally.reply()
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         rid = request.reservation.reservation_id
         res = self.table.get(rid)
-        if res is not None and res.inserted:
-            for seq in [*self.scheduler.running, *self.scheduler.prefilling]:
-                if seq.reservation_id == rid:
-                    self.scheduler.cancel(seq)
+        if res is not None and res.status is DecodeStatus.INSERTED:
+            self.scheduler.cancel_reservation(rid)     # its retirement releases
             return pb.ReleaseResponse(released=True)
         return pb.ReleaseResponse(released=self.table.release(rid, request.reason or "released by gateway"))
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        res = self.table.get(request.reservation.reservation_id)
-        if res is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such reservation (released or expired)")
-        if res.inserted:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "reservation already generating")
-        if request.reservation.generation != res.generation:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale reservation generation")
-        if res.attempt.claimed:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "another Generate is attached to this reservation")
-        res.attempt.claimed = True
+        res = self.table.attach(request.reservation.reservation_id, request.reservation.generation)
+        if isinstance(res, AttachRefused):
+            await context.abort(_ATTACH_CODES[res], res.value)
         lease = res.lease
         # nothing waits past the lease: the reaper frees the blocks then anyway
         deadline = min(unix_ms_to_monotonic(request.deadline_unix_ms), res.lease_expires_at)
@@ -206,10 +191,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 failure = await self._await_transfer(res, lease, deadline)
                 if failure is not None:
                     code, detail, keep_reservation = failure
-                    if keep_reservation:
-                        context.set_trailing_metadata((("epd-reservation-kept", "1"),))
                     await context.abort(code, detail)
-                res.inserted = True
                 self.scheduler.insert(seq, res.attempt.first_token)
             first = True
             while True:
@@ -218,8 +200,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     ev = await asyncio.wait_for(seq.events.get(), timeout)
                 except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
-                if ev.finish_reason in _ABORT_CODES:
-                    await context.abort(_ABORT_CODES[ev.finish_reason], ev.detail or ev.finish_reason)
+                if ev.end in _ABORT_CODES:
+                    await context.abort(_ABORT_CODES[ev.end], ev.detail or ev.finish_reason)
                 out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "")
                 if first:
                     first = False
@@ -228,14 +210,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if ev.finish_reason:
                     return
         finally:
-            if seq in self.scheduler.running or seq in self.scheduler.prefilling:
+            if self.scheduler.holds(seq):
                 self.scheduler.cancel(seq)           # retire callback releases
-            elif not seq.finished and not keep_reservation:
+            elif not seq.status.is_finished and not keep_reservation:
                 self.table.release_lease(lease, "generate ended before insertion")
 
     async def _await_transfer(self, res: Reservation, lease: Lease,
                               deadline: float) -> tuple[grpc.StatusCode, str, bool] | None:
-        """Wait for the transfer's verdict: ``None`` when verified, else (status, detail, keep the reservation).
+        """Wait for the transfer's verdict: ``None`` when verified (the reservation is then INSERTED),
+        else (status, detail, keep the reservation).
 
         The caller aborts with the status; it must know whether to keep the
         reservation *before* aborting, since the abort unwinds into its ``finally``.
@@ -246,7 +229,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         except TimeoutError:
             return (grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"KV transfer not complete before the deadline (state {attempt.state.name})", False)
-        if res.released:
+        if res.status is DecodeStatus.RELEASED:
             return grpc.StatusCode.ABORTED, f"reservation released: {attempt.detail}", False
         if attempt is not res.attempt:
             # the blocks now belong to the new attempt: not ours to release
@@ -254,7 +237,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if attempt.state != TransferState.SUCCESS:
             # keep the blocks: the gateway may retry into them (Rearm) while the lease lasts
             return grpc.StatusCode.ABORTED, f"KV transfer failed: {attempt.detail}", True
-        if not res.holds(lease):
+        if not self.table.mark_inserted(lease):
             return grpc.StatusCode.ABORTED, "reservation released while waiting for the KV transfer", False
         return None
 
@@ -267,7 +250,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
         try:
             embeddings = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
-        except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/rpc_failure.py
+        except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/worker/rpc_failure.py
             await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                              f"embedding fetch failed: {exc}")
         if not res.holds(lease):
@@ -276,9 +259,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
         except AdapterInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not res.holds(lease):
+        if not self.table.mark_inserted(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while embedding the prompt")
-        res.inserted = True
         self.scheduler.insert_colocated(seq, embeds, chunk_tokens=request.chunk_tokens or None)
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
@@ -297,21 +279,18 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
-                "free_blocks": self.pool.free_blocks, "running_seqs": len(self.scheduler.running),
+                "free_blocks": self.pool.free_blocks, "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        samples = self.timings.since(request.since_sample)
-        return pb.WorkerStats(
-            role="decode", address=self.address, serving=self.serving,
-            queue_depth=len(self.scheduler.prefilling) + sum(1 for r in self.table._by_id.values() if not r.inserted),
-            in_flight=self.table.active, running_seqs=len(self.scheduler.running),
+        return self.state.stats(
+            request,
+            queue_depth=self.scheduler.prefilling_seqs + self.table.waiting,
+            in_flight=self.table.active, running_seqs=self.scheduler.running_seqs,
             free_blocks=self.pool.free_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             reservations_active=self.table.active, pending_chunks=self.table.pending_chunks,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
-            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
-            last_sample=self.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
             max_batch=self.scheduler.max_observed_batch, lease_reaped_total=self.table.reaped_total,
             bulk_address=self.bulk_address,
         )

@@ -21,9 +21,9 @@ from cache.encoder_cache import EncoderCache
 from cache.keys import image_content_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.worker.grpc_server import wait_until_idle
 from runtime.model.errors import InvalidImage
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.serving_state import ServingState
 from runtime.worker.wire import tensor_to_pb
 
 from .batcher import EncodeBatcher
@@ -35,8 +35,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.cache = cache
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
-        self.address = ""
-        self.serving = True
+        self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint)
         self.in_flight = 0
         self.cache_hits = 0
 
@@ -86,9 +85,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def Cached(self, request: pb.CachedRequest, context) -> pb.CachedResponse:
         return pb.CachedResponse(cached=await self.cache.contains_many(list(request.cache_keys)))
 
-    async def drain(self, timeout_s: float) -> None:
-        self.serving = False
-        await wait_until_idle(lambda: self.in_flight, timeout_s)
+    def busy(self) -> bool:
+        return self.in_flight > 0
 
     async def close(self) -> None:
         await self.batcher.stop()
@@ -99,12 +97,9 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 "single_flight_in_flight": self.cache.in_flight}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        samples = self.batcher.timings.since(request.since_sample)
-        return pb.WorkerStats(
-            role="encoder", address=self.address, serving=self.serving, queue_depth=self.batcher.queue_depth,
+        return self.state.stats(
+            request, queue_depth=self.batcher.queue_depth,
             in_flight=self.in_flight, computes=self.batcher.computes, cache_hits=self.cache_hits,
-            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
-            last_sample=self.batcher.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
             max_batch=self.batcher.max_observed_batch, preprocess_digest=self.preprocess_digest,
             single_flight_in_flight=self.cache.in_flight,
         )

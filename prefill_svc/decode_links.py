@@ -3,7 +3,7 @@
 A ``PrefillRequest`` names the decode worker (``decode_address``) and, for the bulk
 path, a TCP address (``decode_bulk_address``). Neither is trusted:
 
-- the gRPC address must be a discovered decode worker (``runtime/peers.py``);
+- the gRPC address must be a discovered decode worker (``runtime/worker/peers.py``);
 - the bulk address dialled is the one that decode worker reports in its own ``Stats``
   (asked over the authenticated channel, cached per decode address). The request's value
   only says "use the bulk path" and must agree; on disagreement the decode worker is asked

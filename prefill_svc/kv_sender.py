@@ -1,10 +1,15 @@
 """Pushing one request's KV chunks to the decode worker that reserved blocks for them.
 
-One stream per request: over the decode worker's bulk TCP path when it has one
-(see ``decode_svc/bulk_receiver.py`` for the framing), else a ``Decode.PushKV``
-client stream. Chunks are queued as soon as prefill computes them and sent eagerly (every ready chunk goes out now; the last
-one is marked final and carries the first token), so the transfer of chunk k
-overlaps the compute of chunk k+1. The stream's gRPC deadline is the request's.
+The scheduler decides what is ready (``ReadyChunk``: which tokens, their bytes, and
+on the last one the first token); the sender builds each chunk's wire header
+(``ChunkFraming``: reservation, layout, checksum, the final chunk's digest and
+fingerprint) and moves the bytes. One stream per request: over the decode worker's
+bulk TCP path when it has one (see ``decode_svc/bulk_receiver.py`` for the framing),
+else a ``Decode.PushKV`` client stream. Chunks are queued as soon as prefill computes
+them and sent eagerly (every ready chunk goes out now; the last one is marked final
+and carries the first token), so the transfer of chunk k overlaps the compute of
+chunk k+1. The stream's gRPC deadline is the request's. The stream succeeded only
+when decode reports ``TransferState.SUCCESS`` for it.
 """
 
 from __future__ import annotations
@@ -14,15 +19,20 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
 import grpc
 from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
+from runtime.model.kv_pool import KVLayout
+from runtime.model.tensor_bytes import dtype_name
 from runtime.worker.faults import FaultInjector
 from runtime.worker.internal_auth import bulk_preamble
 from runtime.worker.timing_log import TimingLog
+from runtime.worker.transfer_state import TransferState, from_wire
+from runtime.worker.wire import payload_checksum
 
 
 class TransferBroken(RuntimeError):
@@ -33,10 +43,58 @@ _END = object()
 _LEN = struct.Struct("<I")
 
 
+@dataclass(frozen=True, slots=True)
+class FinalChunk:
+    """What only the last chunk of a prompt carries."""
+
+    total_chunks: int
+    first_token: int
+    prefill_ms: float             # the prompt's summed compute, for decode's first event
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyChunk:
+    """One computed chunk, as the prefill scheduler hands it over."""
+
+    index: int
+    token_start: int
+    token_end: int
+    payload: memoryview           # [layers, 2, tokens, kv_heads, head_dim] bytes: the pool's per-slot layout
+    final: FinalChunk | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFraming:
+    """What every ``KVChunk`` header of one request's stream says besides its own span."""
+
+    request_id: str
+    reservation: pb.Reservation
+    layout: KVLayout
+    token_digest: str             # of the prompt's token ids and image keys: decode checks it on the last chunk
+    model_fingerprint: str
+
+    def header(self, chunk: ReadyChunk) -> pb.KVChunk:
+        """The chunk's header: ``payload_bytes`` and checksum set, ``payload`` empty (it travels beside)."""
+        layout, n = self.layout, chunk.token_end - chunk.token_start
+        msg = pb.KVChunk(
+            request_id=self.request_id, reservation=self.reservation, chunk_index=chunk.index,
+            layer_start=0, layer_end=layout.layers, token_start=chunk.token_start, token_end=chunk.token_end,
+            dtype=dtype_name(layout.dtype), shape=[layout.layers, 2, n, layout.kv_heads, layout.head_dim],
+            payload_bytes=len(chunk.payload), checksum=payload_checksum(chunk.payload), last=chunk.final is not None,
+        )
+        if chunk.final is not None:
+            msg.total_chunks, msg.first_token = chunk.final.total_chunks, chunk.final.first_token
+            msg.token_digest, msg.model_fingerprint = self.token_digest, self.model_fingerprint
+            msg.prefill_ms = chunk.final.prefill_ms
+        return msg
+
+
 class KVSender:
     def __init__(self, stub: pb_grpc.DecodeStub, timeout_s: float, faults: FaultInjector, bulk_address: str = "",
-                 timings: TimingLog | None = None, bulk_token: SecretStr | None = None):
+                 timings: TimingLog | None = None, bulk_token: SecretStr | None = None,
+                 framing: ChunkFraming | None = None):
         self._stub = stub
+        self._framing = framing   # builds headers for ``send``; ``put`` takes headers already built
         self._timings = timings   # link-time samples (bytes, ms) per chunk, bulk path only
         self._bulk_address = bulk_address
         self._bulk_token = bulk_token   # proves this stream to the receiver (the handshake preamble)
@@ -53,8 +111,14 @@ class KVSender:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
+    def send(self, chunk: ReadyChunk) -> None:
+        """Frame one computed chunk (header and checksum, ``ChunkFraming``) and queue it."""
+        if self._framing is None:
+            raise RuntimeError("this KVSender was built without a ChunkFraming; queue built headers with put()")
+        self.put(self._framing.header(chunk), chunk.payload)
+
     def put(self, header: pb.KVChunk, payload: bytes | memoryview) -> None:
-        """Queue one chunk: its header (``payload_bytes`` set, ``payload`` empty) and its bytes."""
+        """Queue one chunk whose header is built (``payload_bytes`` set, ``payload`` empty) with its bytes."""
         self._queue.put_nowait((header, payload))
 
     def finish(self) -> None:
@@ -118,7 +182,7 @@ class KVSender:
 
     @staticmethod
     def _check(resp: pb.PushKVResponse) -> pb.PushKVResponse:
-        if resp.state != "SUCCESS":
+        if from_wire(resp.state) is not TransferState.SUCCESS:
             raise TransferBroken(f"decode reports transfer {resp.state or 'incomplete'}: {resp.detail}")
         return resp
 

@@ -7,9 +7,11 @@ Queues, in order::
 Every step packs the next chunk of up to ``max_batch`` active prompts into one
 forward, so prompts that arrive together are prefilled together. After each
 step, each prompt's finished chunk is read out of the local scratch pool and
-handed to its ``KVSender`` at once (eager send); when the last chunk is done the
-first token is sampled and travels with it. Scratch blocks are freed as soon as
-the last chunk has been read out, on every path (done, cancelled, failed).
+handed to its ``KVSender`` at once as a ``ReadyChunk`` (eager send: this scheduler
+decides what is ready, the sender frames it and moves the bytes); when the last
+chunk is done the first token is sampled and travels with it. Scratch blocks are
+freed as soon as the last chunk has been read out, on every path (done, cancelled,
+failed).
 """
 
 from __future__ import annotations
@@ -21,16 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, VLMAdapter
 from runtime.model.sampling import SamplingParams, sample_token
-from runtime.model.tensor_bytes import dtype_name
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
-from runtime.worker.wire import payload_checksum
 
-from .kv_sender import KVSender
+from .kv_sender import FinalChunk, KVSender, ReadyChunk
 
 log = logging.getLogger("epd.prefill")
 
@@ -41,9 +40,7 @@ class PrefillJob:
     embeds: torch.Tensor             # [T, hidden]
     sampling: SamplingParams
     chunk_tokens: int
-    reservation: pb.Reservation
-    token_digest: str
-    sender: KVSender
+    sender: KVSender                 # frames and sends what this job's steps make ready
     blocks: list[int] | None = None
     next_start: int = 0
     chunk_index: int = 0
@@ -62,11 +59,9 @@ class PrefillJob:
 
 
 class PrefillScheduler:
-    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, model_fingerprint: str, max_batch: int = 8,
-                 timings: TimingLog | None = None):
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, timings: TimingLog | None = None):
         self.adapter = adapter
         self.pool = pool
-        self.model_fingerprint = model_fingerprint
         self.max_batch = max_batch
         self.timings = timings or TimingLog()
         self.waiting: list[PrefillJob] = []
@@ -134,27 +129,16 @@ class PrefillScheduler:
         step_ms = (time.perf_counter() - started) * 1000
         self.max_observed_batch = max(self.max_observed_batch, len(batch))
         self.timings.record("prefill", sum(e - s for _, s, e in spans), step_ms)
-        layout = self.pool.layout
         for (job, start, end), kv, first in zip(spans, chunks, first_tokens):
             job.compute_ms += step_ms
             if job.cancelled:
                 continue
             last = end == job.prompt_len
-            msg = pb.KVChunk(
-                request_id=job.request_id, reservation=job.reservation, chunk_index=job.chunk_index,
-                layer_start=0, layer_end=self.pool.layout.layers, token_start=start, token_end=end,
-                dtype=dtype_name(layout.dtype), shape=[layout.layers, 2, end - start, layout.kv_heads, layout.head_dim],
-                payload_bytes=len(kv), checksum=payload_checksum(kv),
-                last=last,
-            )
+            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms) if last else None
+            job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
                 job.first_token = first
-                msg.total_chunks, msg.first_token = job.chunk_index, first
-                msg.token_digest, msg.model_fingerprint = job.token_digest, self.model_fingerprint
-                msg.prefill_ms = job.compute_ms
-            job.sender.put(msg, kv)
-            if last:
                 job.sender.finish()
                 self._finish(job, None)
 

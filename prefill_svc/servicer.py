@@ -6,7 +6,7 @@ do next from the time the request has left (retry into the held reservation,
 another decode worker, re-prefill elsewhere, or fail).
 
 Peers named in the request (the decode worker, its bulk address, the images' encoders)
-are checked against discovery before any work (``decode_links.py``, ``runtime/peers.py``):
+are checked against discovery before any work (``decode_links.py``, ``runtime/worker/peers.py``):
 an unknown one is refused with FAILED_PRECONDITION and never dialled.
 """
 
@@ -21,16 +21,16 @@ from pydantic import SecretStr
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
-from runtime.worker.grpc_server import wait_until_idle
 from runtime.model.errors import AdapterInputError
-from runtime.worker.faults import FaultInjector
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.faults import FaultInjector
 from runtime.worker.peers import UnknownPeerError
 from runtime.worker.rpc_failure import FailureKind, abort_with
+from runtime.worker.serving_state import ServingState
 from runtime.worker.wire import sampling_from_pb, token_digest
 
 from .decode_links import DecodeLinks
-from .kv_sender import KVSender, TransferBroken
+from .kv_sender import ChunkFraming, KVSender, TransferBroken
 from .scheduler import PrefillJob, PrefillScheduler
 
 
@@ -42,15 +42,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.fetcher = fetcher
         self.default_chunk_tokens = default_chunk_tokens
         self.faults = faults
-        self.address = ""
-        self.serving = True
+        self.state = ServingState("prefill", scheduler.timings, adapter.model_fingerprint)
         self.in_flight = 0
         self._token = token
         self.decodes = DecodeLinks(fetcher.peers, token)   # borrows the fetcher's peer directory
 
-    async def drain(self, timeout_s: float) -> None:
-        self.serving = False
-        await wait_until_idle(lambda: self.in_flight, timeout_s)
+    def busy(self) -> bool:
+        return self.in_flight > 0
 
     async def close(self) -> None:
         await self.scheduler.stop()
@@ -58,7 +56,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         await self.fetcher.close()     # also closes the peer directory the decode links borrow
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        if not self.serving:
+        if not self.state.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; re-prefill elsewhere")
         remaining = context.time_remaining()
         timeout_s = remaining if remaining is not None else 600.0
@@ -82,17 +80,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             try:
                 embeddings = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
                 embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
-            except EmbeddingFetchError as exc:   # the request's images, not this worker (runtime/rpc_failure.py)
+            except EmbeddingFetchError as exc:   # the request's images, not this worker (runtime/worker/rpc_failure.py)
                 await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                                  f"embedding fetch failed: {exc}")
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            framing = ChunkFraming(request.request_id, request.reservation, self.scheduler.pool.layout, digest,
+                                   self.adapter.model_fingerprint)
             sender = KVSender(decode_stub, timeout_s - (time.monotonic() - started), self.faults,
-                              bulk_address=bulk_address, bulk_token=self._token, timings=self.scheduler.timings)
+                              bulk_address=bulk_address, bulk_token=self._token, timings=self.scheduler.timings,
+                              framing=framing)
             job = PrefillJob(
                 request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
-                chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, reservation=request.reservation,
-                token_digest=digest, sender=sender,
+                chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, sender=sender,
             )
             try:
                 self.scheduler.submit(job)
@@ -101,12 +101,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             sender.start()
             try:
                 first_token = await job.done
-                ack = await sender.wait()
+                await sender.wait()              # raises unless decode reports SUCCESS
             except TransferBroken as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             transfer_ms = ((sender.done_at or time.monotonic()) - (sender.first_send_at or started)) * 1000
             return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent,
-                                      prefill_ms=job.compute_ms, transfer_ms=transfer_ms, decode_state=ack.state)
+                                      prefill_ms=job.compute_ms, transfer_ms=transfer_ms)
         finally:
             self.in_flight -= 1
             if job is not None and not job.done.done():
@@ -117,12 +117,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return {"queue_depth": self.scheduler.queue_depth, "in_flight": self.in_flight}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        samples = self.scheduler.timings.since(request.since_sample)
-        return pb.WorkerStats(
-            role="prefill", address=self.address, serving=self.serving, queue_depth=self.scheduler.queue_depth,
+        return self.state.stats(
+            request, queue_depth=self.scheduler.queue_depth,
             in_flight=self.in_flight, queued_prefill_tokens=self.scheduler.queued_tokens,
             free_blocks=self.scheduler.pool.free_blocks, total_blocks=self.scheduler.pool.num_blocks,
-            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
-            last_sample=self.scheduler.timings.last_seq, model_fingerprint=self.adapter.model_fingerprint,
             max_batch=self.scheduler.max_observed_batch,
         )

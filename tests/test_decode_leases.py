@@ -24,6 +24,7 @@ import pytest
 import torch
 from cluster import DEMO_MODEL
 
+from decode_svc.request_status import DecodeStatus
 from decode_svc.scheduler import Sequence
 from decode_svc.servicer import DecodeServicer
 from proto.epd.v1 import epd_pb2 as pb
@@ -243,6 +244,7 @@ async def test_scheduler_retires_a_sequence_whose_lease_is_gone_without_writing(
     scheduler.insert_colocated(seq, embeds_a)
     ev = await asyncio.wait_for(seq.events.get(), 5)
     assert (ev.finish_reason, ev.token_ids) == ("aborted", [])
+    assert seq.status is DecodeStatus.FINISHED_ABORTED and not scheduler.holds(seq)
     assert not scheduler.busy
     assert torch.equal(pool.kv, snapshot)
     table.release(other.reservation_id, "test")
@@ -258,6 +260,7 @@ async def test_scheduler_retires_a_sequence_whose_lease_is_gone_without_writing(
     snapshot = pool.kv.clone()
     ev = await asyncio.wait_for(seq.events.get(), 5)
     assert ev.finish_reason == "aborted" and "nothing was written" in ev.detail
+    assert seq.status is DecodeStatus.FINISHED_ABORTED
     assert torch.equal(pool.kv, snapshot), "a step ran for a sequence whose lease was gone"
     assert table.get(other.reservation_id) is not None, "retiring the stale sequence must not free B"
     table.release(other.reservation_id, "test")

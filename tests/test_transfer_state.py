@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from decode_svc.transfer_state import IllegalTransition, TransferState, advance
+from runtime.worker.transfer_state import IllegalTransition, TransferState, advance, from_wire, to_wire
 
 S = TransferState
 ORDER = [S.FAILED, S.BOOTSTRAPPING, S.WAITING_FOR_INPUT, S.TRANSFERRING, S.SUCCESS]
@@ -91,3 +91,10 @@ def test_success_cannot_turn_into_failure_and_back():
         advance(failed, S.SUCCESS)
     with pytest.raises(IllegalTransition):
         advance(failed, S.BOOTSTRAPPING)
+
+
+def test_wire_names_round_trip_and_nothing_else_is_a_state():
+    for state in TransferState:
+        assert from_wire(to_wire(state)) is state
+    assert to_wire(None) == "" and from_wire("") is None                 # the stream named no live reservation
+    assert from_wire("success") is None and from_wire("4") is None       # names only, exactly

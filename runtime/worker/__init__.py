@@ -1,1 +1,1 @@
-"""Worker plumbing shared by the three services: gRPC server life, settings, discovery and peers, internal auth, wire conversions, fault injection, timing log, background loops, worker metrics."""
+"""Worker plumbing shared by the three services: the worker runner and gRPC server life, serving state, settings, discovery and peers, internal auth, wire conversions and the KV transfer state, fault injection, timing log, background loops, worker metrics."""

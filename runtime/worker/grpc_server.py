@@ -1,12 +1,13 @@
-"""Common life of every gRPC worker: health, reflection, registration, graceful drain.
+"""The gRPC server of every worker: health, reflection, registration, graceful drain.
 
-Every RPC but health needs the internal token when one is set (``runtime/internal_auth.py``);
+Every RPC but health needs the internal token when one is set (``runtime/worker/internal_auth.py``);
 a worker that would listen beyond loopback without one refuses to start.
 
 Lifecycle: start -> SERVING (health) -> registered in Redis with a heartbeat ->
 on SIGTERM/SIGINT: NOT_SERVING first, deregister, drain in-flight work (bounded by
 ``drain_timeout_s``), then stop with a grace period. Nothing is cut mid-request
-unless the drain times out.
+unless the drain times out. The process around it (flags, model, the role's parts,
+close) is ``runtime/worker/runner.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
-import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -96,57 +94,3 @@ async def run_until_signal(server: WorkerServer, drain: Callable[[float], Awaita
     await stop.wait()
     log.info("%s worker draining", server.role)
     await server.drain_and_stop(drain)
-
-
-async def wait_until_idle(busy: Callable[[], object], timeout_s: float) -> None:
-    """A servicer's drain: poll ``busy()`` until it is falsy or ``timeout_s`` passes."""
-    end = time.monotonic() + timeout_s
-    while busy() and time.monotonic() < end:
-        await asyncio.sleep(0.05)
-
-
-class WorkerServicer(Protocol):
-    """What every role's servicer offers the common runner."""
-
-    async def drain(self, timeout_s: float) -> None: ...
-    async def close(self) -> None: ...
-    def local_stats(self) -> dict[str, int]: ...
-
-
-def run_worker(role: str, argv: list[str],
-               build: Callable[[WorkerSettings], Awaitable[tuple[WorkerServer, WorkerServicer]]]) -> int:
-    """``epd <role>``: parse flags, build the role's server, serve until a signal, drain, close."""
-    import torch
-
-    from runtime.worker.settings import parse_worker_args
-    from runtime.worker.worker_metrics import serve_worker_metrics
-
-    settings = parse_worker_args(role, argv)
-    problem = exposure_problem(settings.host, settings.internal_token, settings.allow_unauthenticated)
-    if problem:   # before loading anything: one clear line, exit status 2
-        print(f"epd {role}: {problem}", file=sys.stderr)
-        return 2
-    from runtime.model.supported_models import UnsupportedModel, check_checkpoint
-
-    try:
-        check_checkpoint(settings.model)   # before loading anything: one line, not a traceback
-    except (UnsupportedModel, OSError) as exc:
-        print(f"epd {role}: " + " ".join(str(exc).split()), file=sys.stderr)
-        return 2
-    configure_logging()
-    torch.set_grad_enabled(False)
-
-    async def serve() -> None:
-        server, servicer = await build(settings)
-        serve_worker_metrics(settings.metrics_port, lambda: servicer)
-        try:
-            await run_until_signal(server, servicer.drain)
-        finally:
-            await servicer.close()
-
-    asyncio.run(serve())
-    return 0
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

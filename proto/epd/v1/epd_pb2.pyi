@@ -333,17 +333,15 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., decode_bulk_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "chunks_sent", "bytes_sent", "prefill_ms", "transfer_ms", "decode_state")
+    __slots__ = ("first_token", "chunks_sent", "bytes_sent", "prefill_ms", "transfer_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STATE_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     chunks_sent: int
     bytes_sent: int
     prefill_ms: float
     transfer_ms: float
-    decode_state: str
-    def __init__(self, first_token: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_state: _Optional[str] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...

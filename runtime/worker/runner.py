@@ -1,0 +1,100 @@
+"""``epd <role>``: the life of one worker process, the same for every role.
+
+flags -> refuse a listener beyond loopback without a token, or a checkpoint the split
+does not support (one line, exit status 2, nothing loaded) -> load the model -> the
+role's ``build`` (its parts, their background loops started) -> the gRPC server
+(health, reflection, the role's service; ``grpc_server.py``) and the metrics port ->
+serve until SIGTERM/SIGINT -> drain -> stop -> the servicer's ``close``.
+
+A role's ``server.py`` states only what is its own: one ``WorkerRole``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from runtime.worker.grpc_server import WorkerServer, run_until_signal
+from runtime.worker.internal_auth import exposure_problem
+from runtime.worker.serving_state import ServingState
+from runtime.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    import grpc
+
+    from runtime.model.kv_pool import KVBlockPool
+    from runtime.model.model_adapter import VLMAdapter
+
+
+class WorkerServicer(Protocol):
+    """What every role's servicer offers the runner."""
+
+    state: ServingState
+
+    def busy(self) -> object: ...                  # what a drain waits for (truthy: work in flight)
+    async def close(self) -> None: ...             # stop its loops, release what it holds, close its clients
+    def local_stats(self) -> dict[str, int]: ...   # the metrics port's gauges and counters
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    name: str                                                   # "decode": flags, default port, registry, logs
+    service: str                                                # "Decode": the proto service (health, reflection)
+    add_servicer: Callable[[Any, grpc.aio.Server], None]        # the generated add_<Service>Servicer_to_server
+    build: Callable[[WorkerSettings, VLMAdapter], Awaitable[WorkerServicer]]   # its parts, loops started
+
+
+def kv_pool_for(adapter: VLMAdapter, settings: WorkerSettings) -> KVBlockPool:
+    """The worker's KV block pool: ``EPD_KV_MEMORY_MB`` of blocks of ``EPD_KV_BLOCK_SIZE`` tokens, allocated once."""
+    from runtime.model.kv_pool import KVBlockPool
+
+    return KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
+                                          device=settings.device)
+
+
+def run_worker(role: WorkerRole, argv: list[str]) -> int:
+    """``epd <role>``: parse flags, build the role's server, serve until a signal, drain, close."""
+    import torch
+
+    from runtime.model.supported_models import UnsupportedModel, check_checkpoint
+    from runtime.worker.settings import parse_worker_args
+
+    settings = parse_worker_args(role.name, argv)
+    problem = exposure_problem(settings.host, settings.internal_token, settings.allow_unauthenticated)
+    if problem:   # before loading anything: one clear line, exit status 2
+        print(f"epd {role.name}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        check_checkpoint(settings.model)   # before loading anything: one line, not a traceback
+    except (UnsupportedModel, OSError) as exc:
+        print(f"epd {role.name}: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+    configure_logging()
+    torch.set_grad_enabled(False)
+    asyncio.run(_serve(role, settings))
+    return 0
+
+
+async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
+    from runtime.model.model_adapter import VLMAdapter
+    from runtime.worker.worker_metrics import serve_worker_metrics
+
+    adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
+                                      max_images=settings.max_images_per_request)
+    servicer = await role.build(settings, adapter)
+    try:
+        server = WorkerServer(role.name, settings, role.service)
+        role.add_servicer(servicer, server.server)
+        servicer.state.address = await server.start()
+        serve_worker_metrics(settings.metrics_port, lambda: servicer)
+        await run_until_signal(server, lambda timeout_s: servicer.state.drain(servicer.busy, timeout_s))
+    finally:
+        await servicer.close()
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

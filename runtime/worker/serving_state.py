@@ -1,0 +1,42 @@
+"""What every role's servicer shares with the common runner: where it listens, whether it takes new work.
+
+One ``ServingState`` per servicer, owned by it. The runner (``runtime/worker/runner.py``)
+sets ``address`` once the gRPC server is bound and, on SIGTERM, calls ``drain``: from
+then on ``serving`` is False (the servicer refuses new work and ``Stats`` says so) and
+the drain waits until the servicer's ``busy()`` is falsy or the timeout passes. Every
+``Stats`` reply starts from ``stats``: the same identity fields and timing samples for
+every role, plus the role's own gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.worker.timing_log import TimingLog
+
+
+class ServingState:
+    def __init__(self, role: str, timings: TimingLog, model_fingerprint: str):
+        self.role = role
+        self.timings = timings                 # the samples every Stats reply carries (owned by the role's loop)
+        self.model_fingerprint = model_fingerprint
+        self.address = ""                      # set by the runner once the gRPC server is bound
+        self.serving = True                    # False from the start of a drain
+
+    async def drain(self, busy: Callable[[], object], timeout_s: float) -> None:
+        """Refuse new work from now; return once ``busy()`` is falsy (accepted work finished) or after ``timeout_s``."""
+        self.serving = False
+        end = time.monotonic() + timeout_s
+        while busy() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+
+    def stats(self, request: pb.StatsRequest, **gauges) -> pb.WorkerStats:
+        """``WorkerStats`` with this worker's identity, serving flag and the samples after ``request.since_sample``."""
+        samples = self.timings.since(request.since_sample)
+        return pb.WorkerStats(
+            role=self.role, address=self.address, serving=self.serving, model_fingerprint=self.model_fingerprint,
+            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
+            last_sample=self.timings.last_seq, **gauges)
