@@ -185,7 +185,7 @@ def test_decode_slot_counter_matches_the_queues(held: bool) -> None:
         reservation_held_on_failure=held, decode_kv_tokens=40_000, ttft_slo_ms=3000,
     )
     sim = Simulator(config)
-    workers, place, checks = sim.decode, sim._place, [0]
+    workers, place, checks = sim.decode, sim._admit, [0]
 
     def checked_place(req: SimRequest, now: float) -> None:
         for w in workers:
@@ -194,7 +194,7 @@ def test_decode_slot_counter_matches_the_queues(held: bool) -> None:
         checks[0] += 1
         place(req, now)
 
-    sim._place = checked_place  # type: ignore[method-assign]
+    sim._admit = checked_place  # type: ignore[method-assign]
     result = sim.run(Workload(RequestMix(parse_distribution("mix:300@0.7,6000@0.3"), fixed(30)), rate=3.0, requests=400, seed=5))
     _conserved(result)
     assert checks[0] == 400 and result.metrics.transfer_failures > 0 and result.metrics.placements["colocated"] > 0
@@ -387,7 +387,7 @@ def test_cli_reads_a_service_time_file(tmp_path, capsys) -> None:
 
 def test_host_cpu_shares_its_cores_between_running_pieces() -> None:
     from sim.events import EventQueue
-    from sim.host_cpu import HostCpu
+    from sim.shared_host import HostCpu
 
     ev, got = EventQueue(), []
     cpu = HostCpu(1, ev)
