@@ -256,7 +256,7 @@ class Orchestrator:
                     free_prefill = [h for h in self.registry.healthy("prefill") if prefill is None or h.address != prefill.address]
                     action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, attempts, shape,
                                                  self.admission.cost_model,
-                                                 self.admission.loads(shape, self.registry, own_transfer=True),
+                                                 self.admission.loads(shape, self.registry, own_transfer=not colocated),
                                                  decode.address, decode_lost=failure.decode_lost)
                     m.FAILURE_ACTIONS.labels(action.kind).inc()
                     log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",

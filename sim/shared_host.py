@@ -110,9 +110,6 @@ class HostCpu:
         self._reschedule(now)
         self._start_background(now)
 
-    def mean_stretch_ms(self) -> float:
-        return self.stretch_ms / self.pieces if self.pieces else 0.0
-
     def _advance(self, now: float) -> None:
         elapsed = now - self._last
         if elapsed > 0.0:

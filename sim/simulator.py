@@ -4,7 +4,7 @@ Request lifecycle, as queues (each hop is a state change):
 
     arrival -> [gateway queue -> gateway]            (only when gateway_request_ms > 0)
             -> admission: the gateway's decision, from a stats snapshot of the simulated
-               workers (``_decide``; refused requests leave here)
+               workers (``decide``; refused requests leave here)
             -> [encoder queue -> encoder]            (only with images to encode)
     colocated:  decode worker X's own work for it -> X's local queue -> local prefill on X
                 -> X's batch -> done
@@ -223,7 +223,7 @@ class Simulator:
         snap = self.snapshot(now)
         return stage_loads(snap.less_transfer(req.kv_bytes) if own_transfer else snap, req.shape, self.cm)
 
-    def _decide(self, shape: RequestShape, snapshot: StatsSnapshot, left_ms: float,
+    def decide(self, shape: RequestShape, snapshot: StatsSnapshot, left_ms: float,
                 pressure: Pressure | None = None) -> Admission:
         """The gateway's verdict on ``snapshot`` (``gateway.admission.GatewayAdmission.admit``), or
         with admission off the placement alone (refused only when no decode worker has the room)."""
@@ -240,7 +240,7 @@ class Simulator:
 
     def _admit(self, req: SimRequest, now: float) -> None:
         pressure = self.pressure.inputs(now) if self.pressure is not None else None
-        verdict = self._decide(req.shape, self.snapshot(now), req.deadline - now, pressure)
+        verdict = self.decide(req.shape, self.snapshot(now), req.deadline - now, pressure)
         decision = verdict.decision
         if decision is None:
             self.m.rejected += 1

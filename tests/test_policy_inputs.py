@@ -89,7 +89,7 @@ def test_a_recorded_snapshot_gets_one_decision_from_the_gateway_and_the_simulato
     reg, gw = registry(recorded), gateway(recorded, waiting)
     by_gateway = gw.admit(request, reg, left_ms, itl_ms)
     sim = simulator(gw.cost_model, itl_ms)
-    by_simulator = sim._decide(request, gw.snapshot(reg), left_ms, gw.pressure.inputs())
+    by_simulator = sim.decide(request, gw.snapshot(reg), left_ms, gw.pressure.inputs())
     assert outcome(by_simulator) == outcome(by_gateway)
 
 
@@ -140,7 +140,7 @@ def test_a_simulated_snapshot_sent_as_worker_stats_gets_the_simulators_decision(
         pressure = sim.pressure.inputs(now)  # type: ignore[union-attr]
         gw.pressure.inputs = lambda: pressure  # type: ignore[method-assign]  # the simulator's, as data
         by_gateway = gw.admit(req.shape, reg, req.deadline - now, 150.0)
-        assert outcome(sim._decide(req.shape, snap, req.deadline - now, pressure)) == outcome(by_gateway)
+        assert outcome(sim.decide(req.shape, snap, req.deadline - now, pressure)) == outcome(by_gateway)
         kinds.add(by_gateway.decision.placement if by_gateway.ok else by_gateway.reason)  # type: ignore[union-attr]
         checked[0] += 1
         admit_next(req, now)
