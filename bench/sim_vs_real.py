@@ -37,7 +37,7 @@ Mapping of the real run onto the simulator's request shape, stated once:
   CPU per request (``gateway_request_ms`` before the pipeline, ``gateway_finish_ms`` after it)
   and what each worker spends per request beyond its timed compute (``encode_request_ms``,
   ``prefill_request_ms``, ``decode_request_ms``), so the simulator runs the gateway as a
-  stage and every stage's work shares the host's cores, as here (``sim/host_cpu.py``). The
+  stage and every stage's work shares the host's cores, as here (``sim/shared_host.py``). The
   other work on the host during each load (its busy cores from ``/proc/stat`` less the
   stack's CPU; the load generator is part of it) is that load's ``host_background_cores``.
   ``sim_own_cores`` is the same run with a processor per worker (``host_cores = 0``), to show

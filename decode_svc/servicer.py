@@ -291,7 +291,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             free_blocks=self.pool.free_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             reservations_active=self.table.active, pending_chunks=self.table.pending_chunks,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
-            max_batch=self.scheduler.max_observed_batch, lease_reaped_total=self.table.reaped_total,
+            max_batch=self.scheduler.max_observed_batch, max_batch_configured=self.scheduler.max_batch,
+            lease_reaped_total=self.table.reaped_total,
             bulk_address=self.bulk_address,
         )
 

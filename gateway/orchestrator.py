@@ -26,41 +26,25 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 
 from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.policy.cost_model import CostModel
-from runtime.policy.placement_policy import (
-    DecodeWorkerLoad,
-    EncoderLoad,
-    PlacementDecision,
-    PrefillWorkerLoad,
-    RequestShape,
-    StageLoads,
-    admit,
-    on_transfer_failure,
-)
+from runtime.policy.failure_policy import on_transfer_failure
+from runtime.policy.loads import RequestShape
+from runtime.policy.placement_policy import PlacementDecision
 from runtime.worker.rpc_failure import FailureKind, failure_kind
-from runtime.policy.service_times import ServiceTimes
 from runtime.worker.wire import sampling_to_pb, token_digest
 
 from . import gateway_metrics as m
+from .admission import GatewayAdmission
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
-from .pressure import FirstTokenPressure
 from .seen_images import SeenImages
 from .settings import GatewaySettings
 from .worker_registry import WorkerHandle, WorkerRegistry
 
 log = logging.getLogger("epd.gateway")
-
-# CPU-scale priors; replaced by online calibration from worker timings within a few requests.
-CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_step_base_ms=5.0,
-                         decode_step_ms_per_seq=0.5, decode_slots=64, kv_bytes_per_token=4096,
-                         link_setup_ms=1.0, link_bytes_per_s=1e9, encode_base_ms=5.0, encode_ms_per_image=5.0,
-                         encode_cache_hit_ms=0.5)
 
 
 class TransferFailed(Exception):
@@ -81,12 +65,11 @@ def _now_unix_ms(deadline_monotonic: float) -> int:
 class Orchestrator:
     def __init__(self, settings: GatewaySettings, registry: WorkerRegistry | None = None):
         self.settings = settings
-        self.cost_model = CostModel(prior=CPU_PRIOR, min_points=4)
+        self.admission = GatewayAdmission(settings)   # the cost model, the pressure, the decision
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
-        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._observe,
+        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self.admission.observe,
                                                    on_refresh=self._publish_queue_depths, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
-        self.pressure = FirstTokenPressure(overrun_quantile=settings.admission_quantile)
         self.seen_images = SeenImages()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -102,49 +85,19 @@ class Orchestrator:
         return bool(r.healthy("encoder")) and bool(r.healthy("decode")) and prefill_ok
 
     def backlog_ms(self) -> float:
-        return self.pressure.shed_estimate_ms()
+        return self.admission.pressure.shed_estimate_ms()
 
     def status(self) -> dict:
         """Workers as the registry sees them (each with this gateway's ``inflight_from_gateway``),
         plus ``waiting_first_token``: requests admitted here that have no first token yet."""
         return {**self.registry.status(), "placement_mode": self.settings.placement,
-                "cost_model": self.cost_model.calibration(), "waiting_first_token": self.pressure.waiting}
+                "cost_model": self.admission.cost_model.calibration(),
+                "waiting_first_token": self.admission.pressure.waiting}
 
     def _publish_queue_depths(self) -> None:
         """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""
         for role in ("encoder", "prefill", "decode"):
             m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in self.registry.healthy(role) if h.stats))
-
-    def _observe(self, role: str, s: pb.TimingSample) -> None:
-        if s.kind == "prefill":
-            self.cost_model.observe_prefill(int(s.size), s.ms)
-        elif s.kind == "decode_step":
-            self.cost_model.observe_decode_step(int(s.size), s.ms)
-        elif s.kind == "transfer":
-            self.cost_model.observe_transfer(int(s.size), s.ms)
-        elif s.kind == "encode":
-            self.cost_model.observe_encode(int(s.size), s.ms)
-
-    # -- load signals -------------------------------------------------------------
-    def _stage_loads(self) -> StageLoads:
-        decode = []
-        for h in self.registry.healthy("decode"):
-            s = h.stats
-            running = s.running_seqs + h.inflight
-            decode.append(DecodeWorkerLoad(
-                address=h.address, running_seqs=running, free_slots=max(0, 64 - running),
-                free_blocks=s.free_blocks, block_size=max(1, s.block_size),
-                queue_wait_ms=self.cost_model.prefill_ms(s.queued_prefill_tokens) if s.queued_prefill_tokens else 0.0,
-            ))
-        prefill = []
-        for h in self.registry.healthy("prefill"):
-            s = h.stats
-            queued = s.queued_prefill_tokens
-            prefill.append(PrefillWorkerLoad(address=h.address,
-                                             queue_wait_ms=self.cost_model.prefill_ms(queued) if queued else 0.0))
-        enc = self.registry.healthy("encoder")
-        encoder = EncoderLoad(queue_wait_ms=min((h.stats.queue_depth for h in enc), default=0) * self.cost_model.encode_ms(1))
-        return StageLoads(decode=tuple(decode), prefill=tuple(prefill), encoder=encoder)
 
     # -- the request ---------------------------------------------------------------
     async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
@@ -157,26 +110,11 @@ class Orchestrator:
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=n_cached)
-        admission = admit(shape, self._stage_loads(), self.cost_model, self.settings.placement, remaining_ms,
-                          job.itl_slo_ms, transfer_chunk_tokens=self.chunk_tokens, local_chunk_tokens=self.chunk_tokens)
+        admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
         if not admission.ok:
-            m.ADMISSION_REJECTED.labels(admission.reason).inc()
-            status = 503 if admission.reason == "no_decode_workers" else 429
-            raise AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s)
+            raise self.admission.refusal(admission)
         decision = admission.decision
-        backlog_ms, overrun_ms = self.pressure.wait_ms(), self.pressure.overrun_ms()
-        # the overrun is learnt against the model's own prediction, without itself: a stationary target
-        model_ms = decision.estimates["ttft_ms"] + backlog_ms
-        admitted_at = time.monotonic()
-        if model_ms + overrun_ms > remaining_ms:
-            m.ADMISSION_REJECTED.labels("pipeline_backlog").inc()
-            raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
-                                   max(1.0, (backlog_ms + overrun_ms) / 1000.0))
-        m.PLACEMENT.labels(decision.placement, decision.reason).inc()
-        breakdown["estimated_ttft_ms"] = decision.estimates.get("ttft_ms", 0.0)
-        breakdown["backlog_ms"] = backlog_ms
-        breakdown["overrun_ms"] = overrun_ms
-        self.pressure.admitted(intake_ms=(admitted_at - job.arrival_s) * 1000)
+        ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
         first = True
         try:
             if encoder is not None and n_cached < len(refs):
@@ -203,12 +141,10 @@ class Orchestrator:
                 async for event in events:
                     if first:
                         first = False
-                        took_ms = (time.monotonic() - admitted_at) * 1000
-                        self.pressure.left(got_first_token=True, overrun_ms=took_ms - model_ms)
+                        ticket.left(got_first_token=True)
                     yield event
         finally:
-            if first:
-                self.pressure.left(got_first_token=False)
+            ticket.left(got_first_token=False)   # a no-op after the first token
 
     async def _image_refs(self, job: ChatJob):
         if not job.images:
@@ -321,12 +257,10 @@ class Orchestrator:
                         self.registry.mark_unhealthy("decode", decode.address)
                     others = [h for h in self.registry.healthy("decode") if h.address != decode.address]
                     free_prefill = [h for h in self.registry.healthy("prefill") if prefill is None or h.address != prefill.address]
-                    action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, not failure.decode_lost,
-                                                 attempts, shape, self.cost_model, bool(others), bool(free_prefill))
-                    if failure.decode_lost and action.kind in ("retry", "reprefill"):
-                        # its blocks died with it: the only way on is another decode worker
-                        action = replace(action, kind="other_decode" if others else "fail",
-                                         reason="decode_worker_lost" if others else "decode_worker_lost_no_other")
+                    action = on_transfer_failure((job.ttft_deadline_s - time.monotonic()) * 1000, attempts, shape,
+                                                 self.admission.cost_model,
+                                                 self.admission.loads(shape, self.registry, own_transfer=not colocated),
+                                                 decode.address, decode_lost=failure.decode_lost)
                     m.FAILURE_ACTIONS.labels(action.kind).inc()
                     log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",
                                 job.request_id, attempts, failure, action.kind, action.reason)

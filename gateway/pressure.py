@@ -5,7 +5,9 @@ up in places no worker reports (the gateway's own CPU, encoder batching, gRPC
 queues). This tracker measures the whole pipeline from outside: requests admitted
 and still waiting for a first token (L), and the rate at which first tokens come
 out (lambda, over a sliding window). ``wait_ms = L / lambda`` is added to every
-TTFT estimate at admission, so a backlog anywhere turns into early 429s.
+TTFT estimate at admission, so a backlog anywhere turns into early 429s. This module
+keeps the state; the admission policy (``runtime.policy.placement_policy.admit``) reads
+it as data (``inputs()``), as it reads the simulator's own equivalent.
 
 It also keeps the estimate honest: for each first token, the *overrun* is the
 TTFT the request really had (from admission) minus what the model predicted for
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
+from runtime.policy.loads import Pressure
 
 
 class FirstTokenPressure:
@@ -110,11 +114,17 @@ class FirstTokenPressure:
         """What a request arriving now would wait for its first token, before its own stages."""
         return self.intake_ms() + self.wait_ms() + self.overrun_ms()
 
+    def inputs(self) -> Pressure:
+        """This state as the admission policy reads it (``runtime.policy.loads.Pressure``): the
+        rate is the higher of the window's and the recent peak (None: no throughput seen yet,
+        at start-up or after a long idle, and the stage estimates decide alone)."""
+        return Pressure(self.waiting, self._judged_rate(), self.overrun_ms())
+
+    def _judged_rate(self) -> float | None:
+        return max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0) or None
+
     def wait_ms(self) -> float:
         """Expected queueing before a new request's first token; 0 while nothing waits."""
         if self.waiting <= 0:
             return 0.0
-        rate = max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0) or None
-        if rate is None:
-            return 0.0  # no throughput seen yet (start-up, long idle): the stage estimates decide
-        return 1000.0 * self.waiting / rate
+        return Pressure(self.waiting, self._judged_rate()).backlog_ms()

@@ -42,9 +42,8 @@ from bisect import insort
 from collections import deque
 from typing import Any
 
-from runtime.policy.placement_policy import DecodeWorkerLoad
+from runtime.policy.worker_stats import Role, WorkerReport
 from sim.events import EventQueue
-from sim.host_cpu import HostCpu, ignore
 
 IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
 
@@ -52,22 +51,22 @@ IDLE, STEPPING, PREFILL, CHUNK = 0, 1, 2, 3
 class DecodeWorker:
     __slots__ = (
         "index", "name", "_events", "_host", "slots", "kv_cap", "kv_used", "base", "slope", "slo", "hist",
-        "accepts_local", "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
-        "pending", "fresh", "joined_local", "local_q", "local_backlog", "local_active", "just_prefilled",
-        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "snapshot", "gaps_d", "gaps_n", "claimed",
+        "mode", "version", "next_t", "t0", "d", "steps", "running", "reserved", "prealloc",
+        "pending", "fresh", "joined_local", "local_q", "local_tokens", "local_chunk", "local_active", "just_prefilled",
+        "stall_extra", "stall_n", "breach", "busy_ms", "_busy_since", "_report", "gaps_d", "gaps_n", "claimed",
         "join_wait_ms", "joins", "per_step", "fused_saving_ms", "arriving",
     )
 
     def __init__(
         self, index: int, events: EventQueue, host: Any, *, slots: int, kv_tokens: int | None,
-        step_base_ms: float, step_ms_per_seq: float, itl_slo_ms: float, hist: dict[int, int], accepts_local: bool,
-        fused_saving_ms: float = 0.0,
+        step_base_ms: float, step_ms_per_seq: float, itl_slo_ms: float, hist: dict[int, int],
+        local_chunk_tokens: int = 1, fused_saving_ms: float = 0.0,
     ) -> None:
         self.index, self.name = index, f"decode-{index}"
         self._events, self._host = events, host
         self.slots, self.kv_cap, self.kv_used = slots, kv_tokens, 0
         self.base, self.slope, self.slo, self.hist = step_base_ms, step_ms_per_seq, itl_slo_ms, hist
-        self.accepts_local = accepts_local
+        self.local_chunk = local_chunk_tokens  # tokens per local chunk (when ``req.local_chunks`` is set)
         self.fused_saving_ms = fused_saving_ms  # a first chunk riding a step does not pay the prefill's fixed cost
         self.mode, self.version, self.next_t = IDLE, 0, math.inf
         self.t0, self.d, self.steps = 0.0, 0.0, 0
@@ -80,7 +79,7 @@ class DecodeWorker:
         self.fresh: list[Any] = []  # joined remotely, first token not yet out
         self.joined_local: list[Any] = []  # joined after a whole local prefill, before the next step
         self.local_q: deque[Any] = deque()
-        self.local_backlog = 0.0
+        self.local_tokens = 0  # prompt tokens of claimed colocated requests not yet prefilled
         self.local_active: Any = None
         self.just_prefilled = False
         self.stall_extra, self.stall_n = 0.0, 0
@@ -89,7 +88,8 @@ class DecodeWorker:
         self.busy_ms, self._busy_since = 0.0, 0.0
         self.join_wait_ms, self.joins = 0.0, 0  # remote requests: landing -> joining the batch
         self.per_step = False  # True: one event per step (a shared host needs a core per step)
-        self.snapshot = DecodeWorkerLoad(self.name, 0, slots, kv_tokens, 1, accepts_local_prefill=accepts_local)
+        self._report = WorkerReport(Role.DECODE, self.name, max_batch=slots, free_blocks=kv_tokens,
+                                    total_blocks=kv_tokens or 0, block_size=1)
 
     # ---- capacity ------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class DecodeWorker:
         and its prefill count from now, before its own work lets it queue (``queue_local``)."""
         self.claimed += 1
         self.arriving += 1
-        self.local_backlog += req.prefill_ms
+        self.local_tokens += req.tokens
 
     def queue_local(self, req: Any, now: float) -> None:
         """The claimed request queues for local prefill."""
@@ -193,6 +193,7 @@ class DecodeWorker:
             if self.running:
                 self._advance(now)
             req = self.local_active
+            self.local_tokens -= min(self.local_chunk, req.tokens - req.chunk_i * self.local_chunk)
             req.chunk_i += 1
             if req.chunk_i < len(req.local_chunks):
                 if self.pending:
@@ -234,9 +235,6 @@ class DecodeWorker:
         self.pending.clear()
 
     def _start_local(self, req: Any, now: float) -> None:
-        self.local_backlog -= req.prefill_ms
-        if not self.local_q:
-            self.local_backlog = 0.0
         self.local_active = req
         self.kv_used += req.kv_need
         self.joined_local.clear()  # earlier local joiners are plain residents from here on
@@ -265,6 +263,8 @@ class DecodeWorker:
 
     def _local_done(self, now: float) -> None:
         req, self.local_active = self.local_active, None
+        if not req.local_chunks:  # chunks count themselves off as they finish
+            self.local_tokens -= req.tokens
         self._host.first_token(req, now)
         self.just_prefilled = True  # a decode step runs before the next whole prefill
         if req.decode_tokens > 0:
@@ -348,88 +348,13 @@ class DecodeWorker:
     def busy_until(self, end: float) -> float:
         return self.busy_ms + (end - self._busy_since if self.mode != IDLE else 0.0)
 
-    def load(self, now: float) -> DecodeWorkerLoad:
-        """Refresh ``snapshot``, what a decode worker would report to the placement policy, and return it.
-
-        One object per worker, updated in place (no allocation per placement): read it
-        before the next call. The policy keeps no reference to a snapshot.
-        """
-        snap = self.snapshot
-        running = len(self.running)
-        free = self.slots - self.claimed
-        snap.running_seqs = running
-        snap.free_blocks = None if self.kv_cap is None else self.kv_cap - self.kv_used
-        if free > 0 and self.local_active is None and not self.local_q:  # the common, time-free case
-            snap.free_slots, snap.queue_wait_ms, snap.slot_wait_ms = free, 0.0, 0.0
-            return snap
-        step = self.base + self.slope * max(running, 1)
-        queue_wait = self.local_backlog + len(self.local_q) * step if self.local_q else 0.0
-        if self.local_active is not None:
-            req = self.local_active
-            queue_wait += max(0.0, self.next_t - now)
-            if req.local_chunks:
-                queue_wait += sum(req.local_chunks[req.chunk_i + 1:]) + (len(req.local_chunks) - req.chunk_i - 1) * step
-        slot_wait = 0.0
-        if free <= 0 and running:
-            ahead = len(self.prealloc) + len(self.local_q)  # we wait for the (ahead + 1)-th slot to free
-            fin = self.running[ahead if ahead < running else running - 1][0]
-            done = self.steps + ((now - self.t0) / self.d if self.mode == STEPPING else 0.0)
-            slot_wait = max(0.0, (fin - done) * step)
-        snap.free_slots, snap.queue_wait_ms, snap.slot_wait_ms = max(free, 0), queue_wait, slot_wait
-        return snap
-
-
-class SharedDecodeWorker(DecodeWorker):
-    """A ``DecodeWorker`` on a shared host (``sim.host_cpu``): every step, whole local
-    prefill and chunk is a piece of work that runs at the host's speed.
-
-    ``step_extra_ms`` (the worker's untimed CPU per step: sampling, streaming the tokens) runs
-    as a piece of its own beside each step: the profiled step is a round trip timed on the
-    worker's event loop, so it already holds what that work does to the step's length; the
-    cores still have to do it.
-
-    One event per step (``per_step``). When a piece takes ``f`` times its idle time, what
-    it covers stretches by ``f``: a step's ``d`` (so every gap in it, first gaps and
-    breaches follow), a local prefill's stall, a chunk and the step fused with it.
-    """
-
-    __slots__ = ("_cpu", "_started", "_work", "step_extra_ms")
-
-    def __init__(self, *args: Any, cpu: HostCpu, step_extra_ms: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._cpu = cpu
-        self.step_extra_ms = step_extra_ms
-        self._started = self._work = 0.0
-        self.per_step = True
-
-    def _schedule(self, t: float) -> None:
-        now = self._events.now
-        self.version += 1
-        self.next_t = t  # at idle speed; the host decides the real end
-        self._started, self._work = now, t - now
-        self._cpu.run(now, t - now, self._piece_done, self.version, group=self)
-        if self.step_extra_ms and self.running and self.mode != PREFILL:  # a step runs: its untimed work, beside it
-            self._cpu.run(now, self.step_extra_ms, ignore)
-
-    def _piece_done(self, now: float, version: int) -> None:
-        if version != self.version:
-            return
-        taken = now - self._started
-        if taken > self._work > 0.0:
-            f = taken / self._work
-            if self.mode == STEPPING:
-                self.d = now - self.t0
-            elif self.mode == CHUNK:  # stall_extra holds the chunk's idle time
-                if self.running:
-                    self.t0 = self._started + self.stall_extra * f
-                    self.d *= f
-                self.stall_extra *= f
-            else:  # PREFILL: stall_extra holds the prefill's idle time; the residents wait through it
-                self.stall_extra *= f
-        self.next_t = now
-        DecodeWorker._on_event(self, now, version)
-
-    def wake(self, now: float) -> None:
-        """Start when idle; otherwise the running piece ends at a step boundary anyway (one step per event)."""
-        if self.mode == IDLE:
-            DecodeWorker.wake(self, now)
+    def report(self) -> WorkerReport:
+        """What this worker would report in its ``Stats`` (``runtime.policy.worker_stats``), as
+        the real one counts it: the batch, the claimed slots not in it, the colocated prompt
+        tokens still to prefill, the free KV. One object per worker, refreshed in place."""
+        r, running = self._report, len(self.running)
+        r.running_seqs, r.queue_depth, r.in_flight = running, self.claimed - running, self.claimed
+        r.queued_prefill_tokens = self.local_tokens
+        if self.kv_cap is not None:
+            r.free_blocks = self.kv_cap - self.kv_used
+        return r

@@ -95,21 +95,6 @@ class Distribution:
             return p[0] * math.exp(p[1] ** 2 / 2)
         return sum(v * w for v, w in zip(p[0::2], p[1::2])) / sum(p[1::2])
 
-    def max_value(self) -> float:
-        """An upper bound for sizing (the 99.9th percentile for unbounded kinds)."""
-        p = self.params
-        if self.kind == "fixed":
-            return p[0]
-        if self.kind == "uniform":
-            return p[1]
-        if self.kind == "normal":
-            return p[0] + 3.1 * p[1]
-        if self.kind == "lognormal":
-            return p[0] * math.exp(3.1 * p[1])
-        if self.kind == "exp":
-            return p[0] * 6.9
-        return max(p[0::2])
-
 
 def fixed(value: int, minimum: int = 1) -> Distribution:
     return Distribution("fixed", (float(value),), minimum, str(value))

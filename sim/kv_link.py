@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.policy.placement_policy import LinkLoad
 from sim.events import EventQueue
 
 Done = Callable[[Any, float], None]
@@ -29,8 +28,8 @@ Done = Callable[[Any, float], None]
 class Pipe:
     __slots__ = (
         "_events", "_on_done", "_bw", "setup_ms", "max_active", "_flows", "_seq", "_v", "_last", "_version",
-        "_sum_finish", "in_setup", "setup_bytes", "waiting", "waiting_bytes", "busy_ms", "_busy_since", "transferred_bytes",
-        "flows_done", "delay_ms", "_idle_load", "_load",
+        "in_setup", "waiting", "busy_ms", "_busy_since", "transferred_bytes",
+        "flows_done", "delay_ms",
     )
 
     def __init__(self, events: EventQueue, bytes_per_s: float, setup_ms: float, max_active: int, on_done: Done) -> None:
@@ -41,15 +40,11 @@ class Pipe:
         self._seq = itertools.count()
         self._v = self._last = 0.0
         self._version = 0
-        self._sum_finish = 0.0
-        self.in_setup, self.setup_bytes = 0, 0.0
+        self.in_setup = 0
         self.waiting: deque[tuple[Any, float, float]] = deque()  # (flow, nbytes, ready_at)
-        self.waiting_bytes = 0.0
         self.busy_ms = self._busy_since = 0.0
         self.transferred_bytes = 0.0
         self.flows_done = 0
-        self._idle_load = LinkLoad()  # never changes
-        self._load = LinkLoad()  # refreshed in place by ``load``
         self.delay_ms = 0.0  # sum over flows of (setup end -> last byte) minus the flow's own bytes / bandwidth
 
     @property
@@ -57,39 +52,15 @@ class Pipe:
         """Flows in setup, queued or moving."""
         return len(self._flows) + self.in_setup + len(self.waiting)
 
-    def load(self, now: float) -> LinkLoad:
-        """What a new transfer on this pipe would compete with.
-
-        One object per pipe, updated in place (read it before the next call)."""
-        if not self._flows and not self.in_setup and not self.waiting:
-            return self._idle_load
-        self._advance(now)
-        moving = self._sum_finish - len(self._flows) * self._v
-        if moving < 0.0:
-            moving = 0.0
-        load = self._load
-        if self.max_active:
-            load.active_transfers, load.inflight_bytes, load.queued_bytes = (
-                len(self._flows), moving, self.waiting_bytes + self.setup_bytes
-            )
-        else:
-            load.active_transfers, load.inflight_bytes, load.queued_bytes = (
-                len(self._flows) + self.in_setup, moving + self.setup_bytes, 0.0
-            )
-        return load
-
     def start(self, flow: Any, nbytes: float, now: float) -> None:
         self.in_setup += 1
-        self.setup_bytes += nbytes
         self._events.at(now + self.setup_ms, self._setup_done, (flow, nbytes))
 
     def _setup_done(self, now: float, arg: tuple[Any, float]) -> None:
         flow, nbytes = arg
         self.in_setup -= 1
-        self.setup_bytes -= nbytes
         if self.max_active and len(self._flows) >= self.max_active:
             self.waiting.append((flow, nbytes, now))
-            self.waiting_bytes += nbytes
             return
         self._advance(now)
         self._move(flow, nbytes, now, now)
@@ -103,9 +74,7 @@ class Pipe:
     def _move(self, flow: Any, nbytes: float, ready_at: float, now: float) -> None:
         if not self._flows:
             self._busy_since = now
-        finish = self._v + nbytes
-        heapq.heappush(self._flows, (finish, next(self._seq), flow, nbytes, ready_at))
-        self._sum_finish += finish
+        heapq.heappush(self._flows, (self._v + nbytes, next(self._seq), flow, nbytes, ready_at))
 
     def _reschedule(self, now: float) -> None:
         self._version += 1
@@ -124,21 +93,17 @@ class Pipe:
         if flows[0][0] > limit:
             limit = flows[0][0]
         while flows and flows[0][0] <= limit:
-            finish, _, flow, nbytes, ready_at = heapq.heappop(flows)
-            self._sum_finish -= finish
+            _, _, flow, nbytes, ready_at = heapq.heappop(flows)
             self.transferred_bytes += nbytes
             self.flows_done += 1
             self.delay_ms += now - ready_at - nbytes / self._bw
             done.append(flow)
         if not flows:
             self.busy_ms += now - self._busy_since
-            self._sum_finish = self._v = 0.0  # restart virtual time: keeps the floats small
+            self._v = 0.0  # restart virtual time: keeps the floats small
         while self.waiting and (not self.max_active or len(flows) < self.max_active):
             flow, nbytes, ready_at = self.waiting.popleft()
-            self.waiting_bytes -= nbytes
             self._move(flow, nbytes, ready_at, now)
-        if not self.waiting:
-            self.waiting_bytes = 0.0
         self._reschedule(now)
         for flow in done:
             self._on_done(flow, now)
@@ -150,22 +115,17 @@ class Pipe:
 class KvLink:
     """``n`` independent pipes; ``on_done(flow, now)`` fires when a flow's last byte lands."""
 
-    __slots__ = ("pipes", "send", "load")
+    __slots__ = ("pipes", "send")
 
     def __init__(self, events: EventQueue, n: int, bytes_per_s: float, setup_ms: float, max_active: int, on_done: Done) -> None:
         self.pipes = [Pipe(events, bytes_per_s, setup_ms, max_active, on_done) for _ in range(n)]
-        # send(flow, nbytes, now): start a flow on the least-busy pipe.
-        # load(now): that pipe's LinkLoad, what a transfer sent now would compete with.
+        # send(flow, nbytes, now): start a flow on the least-busy pipe
         self.send: Callable[[Any, float, float], None] = self._send_least_busy
-        self.load: Callable[[float], LinkLoad] = self._load_least_busy
         if n == 1:  # the usual single pipe: no choice to make, call it directly
-            self.send, self.load = self.pipes[0].start, self.pipes[0].load
+            self.send = self.pipes[0].start
 
     def least_busy(self) -> Pipe:
         return min(self.pipes, key=lambda p: p.active)
-
-    def _load_least_busy(self, now: float) -> LinkLoad:
-        return self.least_busy().load(now)
 
     def _send_least_busy(self, flow: Any, nbytes: float, now: float) -> None:
         self.least_busy().start(flow, nbytes, now)

@@ -45,17 +45,6 @@ def hist_percentile(hist: dict[int, int], q: float) -> float:
     return max(hist) / HIST_PER_MS
 
 
-def hist_cdf(hist: dict[int, int]) -> tuple[list[float], list[float]]:
-    """(gaps in ms, cumulative fractions) of a gap histogram, for plotting."""
-    total = sum(hist.values()) or 1
-    values, fractions, seen = [], [], 0
-    for key in sorted(hist):
-        seen += hist[key]
-        values.append(key / HIST_PER_MS)
-        fractions.append(seen / total)
-    return values, fractions
-
-
 @dataclass(slots=True)
 class Metrics:
     ttft_ms: list[float] = field(default_factory=list)

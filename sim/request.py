@@ -1,7 +1,7 @@
 """One simulated request: its shape, where it was placed, and its progress.
 
 A plain ``__slots__`` class (a million are created per benchmark run). The
-simulator owns every field; decode workers read ``rid``, ``kv_need``,
+simulator (and its remote path) owns every field; decode workers read ``rid``, ``kv_need``,
 ``decode_tokens``, ``prefill_ms``, ``local_chunks`` and keep ``chunk_i`` and
 ``breach_base`` (the worker's ITL-breach counter when the request joined).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from runtime.policy.placement_policy import RequestShape
+from runtime.policy.loads import RequestShape
 from sim.workload import Arrival
 
 
@@ -20,7 +20,7 @@ class SimRequest:
         "rid", "arrival", "tokens", "output", "images", "cached", "kv_need", "deadline", "decode_tokens",
         "prefill_ms", "local_chunks", "chunk_i", "breach_base", "worker", "reserved", "prefill_done",
         "chunk_bytes", "chunks_ready", "chunks_sent", "flows", "landed", "resend_full", "attempts", "local",
-        "t_first", "t_mark", "t_reserve", "t_send", "shape",
+        "t_first", "t_mark", "t_reserve", "t_send", "shape", "prefill_server", "kv_bytes", "t_admit", "model_ms",
     )
 
     def __init__(self, rid: int, spec: Arrival, ttft_slo_ms: float) -> None:
@@ -33,6 +33,9 @@ class SimRequest:
         self.local_chunks: list[float] | None = None
         self.chunk_i = self.breach_base = self.attempts = 0
         self.worker: Any = None  # the DecodeWorker holding (or to hold) its KV
+        self.prefill_server: Any = None  # remote: the prefill worker admission chose (None: colocated)
+        self.kv_bytes = 0.0  # remote, until its first token: its KV, counted on the link's load
+        self.t_admit = self.model_ms = 0.0  # with admission: when admitted, and the TTFT predicted then
         self.reserved = self.prefill_done = self.resend_full = self.local = False
         self.chunk_bytes: list[int] | None = None
         self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0

@@ -4,7 +4,8 @@ Lifecycle of a job: ``submit`` -> the server's queue -> ``on_start(req, now, ser
 -> ``service_ms`` later ``on_done(req, now, server)``. The caller picks the server
 (the simulator routes to the one with the least backlog, as the gateway would).
 Invariant: ``backlog_ms(now)`` is exactly the time until a job submitted now
-would start.
+would start. A job may carry ``tokens`` (a prompt's), which ``report`` counts as a
+prefill worker counts its queued prompt tokens.
 """
 
 from __future__ import annotations
@@ -13,32 +14,51 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from runtime.policy.worker_stats import Role, WorkerReport
 from sim.events import EventQueue
-from sim.host_cpu import HostCpu
 
 Hook = Callable[[Any, float, "Server"], None]
 
 
 class Server:
-    __slots__ = ("index", "name", "_events", "_on_start", "_on_done", "queue", "queued_ms", "busy", "busy_until", "busy_ms")
+    __slots__ = ("index", "name", "_events", "_on_start", "_on_done", "queue", "queued_ms", "queued_tokens", "busy",
+                 "busy_until", "busy_ms", "_tokens", "_service_ms", "_report")
 
-    def __init__(self, index: int, name: str, events: EventQueue, on_start: Hook, on_done: Hook) -> None:
+    def __init__(self, index: int, name: str, events: EventQueue, on_start: Hook, on_done: Hook,
+                 role: Role | None = None) -> None:
+        """``role``: the worker this server stands for (None: the gateway, which reports nothing)."""
         self.index, self.name = index, name
         self._events, self._on_start, self._on_done = events, on_start, on_done
-        self.queue: deque[tuple[Any, float]] = deque()
+        self.queue: deque[tuple[Any, float, int]] = deque()
         self.queued_ms = 0.0  # service time of queued (not started) jobs
+        self.queued_tokens = 0  # tokens of queued jobs
         self.busy = False
         self.busy_until = 0.0
         self.busy_ms = 0.0
+        self._tokens, self._service_ms = 0, 0.0  # the running job's
+        self._report = WorkerReport(role or Role.PREFILL, name)
 
     def backlog_ms(self, now: float) -> float:
         return self.queued_ms + (self.busy_until - now if self.busy else 0.0)
 
-    def submit(self, req: Any, service_ms: float, now: float) -> None:
+    def report(self, now: float) -> WorkerReport:
+        """What this worker would report in its ``Stats``: the jobs it holds and their tokens still
+        to process (the running job's in proportion to its time left). Refreshed in place."""
+        r = self._report
+        r.queue_depth = r.in_flight = len(self.queue) + self.busy
+        left = 0
+        if self.busy and self._tokens and self._service_ms > 0.0:
+            left = int(self._tokens * (self.busy_until - now) / self._service_ms + 0.999)
+        r.queued_prefill_tokens = self.queued_tokens + (left if left > 0 else 0)
+        return r
+
+    def submit(self, req: Any, service_ms: float, now: float, tokens: int = 0) -> None:
         if self.busy:
-            self.queue.append((req, service_ms))
+            self.queue.append((req, service_ms, tokens))
             self.queued_ms += service_ms
+            self.queued_tokens += tokens
         else:
+            self._tokens, self._service_ms = tokens, service_ms
             self._start(req, service_ms, now)
 
     def _start(self, req: Any, service_ms: float, now: float) -> None:
@@ -50,11 +70,14 @@ class Server:
 
     def _done(self, now: float, req: Any) -> None:
         self.busy = False
+        self._tokens = 0
         if self.queue:
-            nxt, service_ms = self.queue.popleft()
+            nxt, service_ms, tokens = self.queue.popleft()
             self.queued_ms -= service_ms
+            self.queued_tokens -= tokens
             if not self.queue:
                 self.queued_ms = 0.0  # no float drift when the queue empties
+            self._tokens, self._service_ms = tokens, service_ms
             self._start(nxt, service_ms, now)
         self._on_done(req, now, self)
 
@@ -62,15 +85,10 @@ class Server:
 class ServerPool:
     __slots__ = ("name", "servers")
 
-    def __init__(
-        self, name: str, n: int, events: EventQueue, on_start: Hook, on_done: Hook, cpu: HostCpu | None = None
-    ) -> None:
-        """``n`` servers, each with its own processor, or (with ``cpu``) taking turns on a shared host."""
-        self.name = name
-        if cpu is None:
-            self.servers = [Server(i, f"{name}-{i}", events, on_start, on_done) for i in range(n)]
-        else:
-            self.servers = [SharedServer(i, f"{name}-{i}", events, on_start, on_done, cpu) for i in range(n)]
+    def __init__(self, name: str, servers: list[Server]) -> None:
+        """``servers``, each with its own processor (``Server``) or taking turns on a shared host
+        (``sim.shared_host.SharedServer``)."""
+        self.name, self.servers = name, servers
 
     def least_loaded(self, now: float) -> Server:
         return min(self.servers, key=lambda s: s.backlog_ms(now))
@@ -81,25 +99,3 @@ class ServerPool:
     def busy_ms(self, end: float) -> float:
         """Total busy time, clipped at ``end`` for jobs still running."""
         return sum(s.busy_ms - (max(0.0, s.busy_until - end) if s.busy else 0.0) for s in self.servers)
-
-
-class SharedServer(Server):
-    """A ``Server`` on a shared host (``sim.host_cpu``): each job's service is work that
-    runs at the host's current speed, so it takes at least its idle time.
-
-    ``busy_ms`` sums work, not wall time; ``backlog_ms`` cannot see the host's slowdown,
-    so it is a lower bound here.
-    """
-
-    __slots__ = ("_cpu",)
-
-    def __init__(self, index: int, name: str, events: EventQueue, on_start: Hook, on_done: Hook, cpu: HostCpu) -> None:
-        super().__init__(index, name, events, on_start, on_done)
-        self._cpu = cpu
-
-    def _start(self, req: Any, service_ms: float, now: float) -> None:
-        self.busy = True
-        self.busy_until = now + service_ms  # at idle speed: the real end depends on the host
-        self.busy_ms += service_ms
-        self._cpu.run(now, service_ms, self._done, req)
-        self._on_start(req, now, self)

@@ -5,7 +5,7 @@ Examples::
     epd simulate --worked-example --json
     epd simulate --placement all --rate 3 --requests 2000
     epd simulate --placement conditional --prompt-tokens mix:500@0.8,6000@0.2 \\
-        --burst 60:40:6000:50 --json --plot out/sim
+        --burst 60:40:6000:50 --json
 
 JSON: ``{"config": ..., "results": [report, ...]}``; with a single placement the
 report's fields are also at the top level (``ttft_ms_p50``, ``goodput_rps``, ...).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from typing import Any
 
 from runtime.policy.placement_policy import MODES
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument(
         "--trace", metavar="FILE",
-        help="replay a trace instead (.jsonl or .csv: t_s, prompt_tokens, output_tokens[, images, cached_images])",
+        help="replay a trace instead (JSON lines: t_s, prompt_tokens, output_tokens[, images, cached_images])",
     )
     add_mix_args(p)
     pools = p.add_argument_group("pools (colocated runs prefill + decode workers that do both)")
@@ -74,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--no-series", action="store_true", help="leave the queue-depth time series out of the JSON")
     out.add_argument("--samples", type=int, default=200, help="queue-depth samples over the run (default 200)")
-    out.add_argument("--plot", metavar="DIR", help="write PNG charts (TTFT/ITL CDFs, queue depth per stage) to DIR")
     return p
 
 
@@ -111,16 +111,10 @@ def _workload(args: argparse.Namespace) -> Workload:
 
 
 def _config_summary(config: SimConfig, workload: Workload) -> dict[str, Any]:
-    return {
-        "prefill_workers": config.prefill_workers, "decode_workers": config.decode_workers,
-        "encoder_workers": config.encoder_workers, "kv_links": config.kv_links, "link_concurrency": config.link_concurrency,
-        "transfer": config.transfer,
-        "chunk_tokens": config.chunk_tokens, "chunked_prefill": config.chunked_prefill,
-        "ttft_slo_ms": config.ttft_slo_ms, "itl_slo_ms": config.itl_slo_ms, "failure_prob": config.failure_prob,
-        "admission": config.admission, "seed": config.seed, "rate": workload.rate, "requests": workload.total,
-        "prompt_tokens": workload.mix.prompt_tokens.spec, "output_tokens": workload.mix.output_tokens.spec,
-        "service": config.service.to_dict(),
-    }
+    """The run's settings: every ``SimConfig`` field but the placement (one per result) and the workload's."""
+    summary = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("placement", "service")}
+    return {**summary, "rate": workload.rate, "requests": workload.total, "prompt_tokens": workload.mix.prompt_tokens.spec,
+            "output_tokens": workload.mix.output_tokens.spec, "service": config.service.to_dict()}
 
 
 def main(argv: list[str]) -> int:
@@ -139,12 +133,6 @@ def main(argv: list[str]) -> int:
         return 2
     results: list[SimResult] = [simulate(config, workload) for config in configs]
     reports = [summarize(r, series=not args.no_series) for r in results]
-    if args.plot:
-        from sim.plots import write_plots
-
-        paths = write_plots(results, args.plot)
-        if not args.json:
-            print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
         doc: dict[str, Any] = {"config": _config_summary(configs[0], workload), "results": reports}
         if len(reports) == 1:

@@ -3,53 +3,47 @@
 Request lifecycle, as queues (each hop is a state change):
 
     arrival -> [gateway queue -> gateway]            (only when gateway_request_ms > 0)
+            -> admission: the gateway's decision, from a stats snapshot of the simulated
+               workers (``decide``; refused requests leave here)
             -> [encoder queue -> encoder]            (only with images to encode)
-            -> placement (runtime.policy.placement_policy: choose_placement, or admit)
-    colocated:  decode worker X's local queue -> local prefill on X -> X's batch -> done
-    remote:     prefill queue -> prefill worker (reserves a slot on X when it starts)
-                -> KV link (after prefill, or chunk by chunk) -> first token (the
-                prefill's, emitted as the KV lands) -> X's pending joins -> X's batch -> done
-    on a failed transfer: runtime.policy.placement_policy.on_transfer_failure decides
-                retry / other_decode / reprefill / fail; released state is counted
-                in ``cleanups``.
+    colocated:  decode worker X's own work for it -> X's local queue -> local prefill on X
+                -> X's batch -> done
+    remote:     ``sim.remote_path`` (prefill, KV link, failures) -> X's batch -> done
+
+The decision is the gateway's, made where the gateway makes it (before encoding) and from
+the same inputs: every simulated worker reports what a real one puts in its ``Stats``
+(``runtime.policy.worker_stats.WorkerReport``), the simulator adds what the gateway counts
+itself (its requests on each worker, its remote requests still without a first token,
+and with admission on its first-token pressure, ``sim.pressure``), and
+``runtime.policy.worker_stats.stage_loads`` turns that snapshot into the policy's inputs,
+as in ``gateway.admission``. Stage timings are the ``ServiceTimes`` in the config (the
+simulator's ground truth); the policy's ``CostModel`` starts from the same numbers.
 
 ``hop_ms`` (the hand-offs between processes that are no stage's work) delays each request
-as it arrives. With ``host_cores`` N > 0 in the service times, every stage's work (gateway, encode,
-prefill, decode steps, local prefill) shares N cores (``sim.host_cpu``: processor
-sharing, next to ``host_background_cores`` of other work);
-with 0 (the default) each worker has its own processor and nothing here changes.
-
-The placement and failure decisions are the gateway's own functions, fed the same
-load snapshots a gateway would see. Stage timings are the ``ServiceTimes`` in
-the config (the simulator's ground truth); the policy's ``CostModel`` starts
-from the same numbers.
+as it arrives. With ``host_cores`` N > 0 every stage's work shares N cores
+(``sim.shared_host``); with 0 (the default) each worker has its own processor.
 """
 
 from __future__ import annotations
 
 import gc
-import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.policy.cost_model import CostModel
-from runtime.policy.placement_policy import (
-    COLOCATED,
-    PrefillWorkerLoad,
-    StageLoads,
-    admit,
-    choose_placement,
-    on_transfer_failure,
-)
+from runtime.policy.loads import Pressure, RequestShape, StageLoads
+from runtime.policy.placement_policy import COLOCATED, Admission, admit, choose_placement
+from runtime.policy.worker_stats import Role, StatsSnapshot, stage_loads
 from sim.config import SimConfig
-from sim.decode_worker import DecodeWorker, SharedDecodeWorker
+from sim.decode_worker import DecodeWorker
 from sim.events import EventQueue
-from sim.host_cpu import HostCpu
-from sim.kv_link import KvLink
 from sim.metrics import Metrics
+from sim.pressure import SimPressure
+from sim.remote_path import RemotePath
 from sim.request import SimRequest
-from sim.server_pool import Server, ServerPool
+from sim.server_pool import Hook, Server, ServerPool
+from sim.shared_host import HostCpu, SharedDecodeWorker, SharedServer
 from sim.workload import Arrival, Workload
 
 
@@ -73,32 +67,30 @@ class Simulator:
         self.truth = CostModel(cfg.service)  # stage timings (ground truth)
         self.events = ev = EventQueue()
         self.m = Metrics()
-        self._wait_ms, self._waits = self.m.wait_sum_ms, self.m.wait_n  # per-stage wait sums and counts
-        colocated = cfg.placement == COLOCATED
         p = cfg.service
         self.cpu = cpu = HostCpu(p.host_cores, ev, p.host_background_cores, active=lambda: self._more or self._open > 0,
                                  seed=cfg.seed) if p.host_cores else None
+        colocated = cfg.placement == COLOCATED
         gateway = p.gateway_request_ms > 0 or p.gateway_finish_ms > 0
-        self.gateway = ServerPool("gateway", 1 if gateway else 0, ev, self._gateway_start, self._gateway_done, cpu)
-        self.encoders = ServerPool("encoder", cfg.encoder_workers, ev, self._encode_start, self._encode_done, cpu)
-        n_prefill = 0 if colocated else cfg.prefill_workers
-        self.prefill = ServerPool("prefill", n_prefill, ev, self._prefill_start, self._prefill_done, cpu)
-        n_decode = cfg.language_workers if colocated else cfg.decode_workers
+        self.gateway = self.pool("gateway", 1 if gateway else 0, None, self._gateway_start, self._gateway_done)
+        self.encoders = self.pool("encoder", cfg.encoder_workers, Role.ENCODER, self._encode_start, self._encode_done)
+        self.remote = RemotePath(self)
+        self.prefill = self.pool("prefill", 0 if colocated else cfg.prefill_workers, Role.PREFILL,
+                                 self.remote.prefill_started, self.remote.prefill_done)
         shared = {} if cpu is None else {"cpu": cpu, "step_extra_ms": p.decode_step_extra_ms}
         self.decode = [
             (DecodeWorker if cpu is None else SharedDecodeWorker)(
-                i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens,
-                step_base_ms=p.decode_step_base_ms,
+                i, ev, self, slots=p.decode_slots, kv_tokens=cfg.decode_kv_tokens, step_base_ms=p.decode_step_base_ms,
                 step_ms_per_seq=p.decode_step_ms_per_seq, itl_slo_ms=cfg.itl_slo_ms, hist=self.m.itl_hist,
-                accepts_local=cfg.placement != "disaggregated", fused_saving_ms=min(p.prefill_base_ms, p.decode_step_base_ms),
+                local_chunk_tokens=cfg.local_chunk_tokens, fused_saving_ms=min(p.prefill_base_ms, p.decode_step_base_ms),
                 **shared,
             )
-            for i in range(n_decode)
+            for i in range(cfg.language_workers if colocated else cfg.decode_workers)
         ]
         self.decode_by_name = {w.name: w for w in self.decode}
         self.prefill_by_name = {s.name: s for s in self.prefill.servers}
-        self.link = KvLink(ev, cfg.kv_links, p.link_bytes_per_s, p.link_setup_ms, cfg.link_concurrency, self._flow_done)
-        self._fail_rng = random.Random(f"epd-sim/{cfg.seed}/failures")
+        self.pressure = SimPressure() if cfg.admission else None
+        self.kv_transfers, self.kv_bytes = 0, 0.0  # remote requests admitted, no first token yet (the link's load)
         self._arrivals: Iterator[Arrival] = iter(())
         self._open = 0  # requests arrived and not yet retired
         self._more = False  # arrivals still to come
@@ -107,12 +99,13 @@ class Simulator:
         self._transfer_chunks = cfg.chunk_tokens if cfg.transfer == "chunked" else None
         self._local_chunks = cfg.local_chunk_tokens if cfg.chunked_prefill else None
         self._sample_every = 1.0
-        # What the policy sees: one snapshot object per worker and pipe, refreshed in place by
-        # _loads before each decision (the policy keeps no reference), so a placement allocates none.
-        self._prefill_loads = [(s, PrefillWorkerLoad(s.name, 0.0)) for s in self.prefill.servers]
-        self._stage_loads = StageLoads(
-            tuple(w.snapshot for w in self.decode), tuple(load for _, load in self._prefill_loads), self.link.load(0.0)
-        )
+
+    def pool(self, name: str, n: int, role: Role | None, on_start: Hook, on_done: Hook) -> ServerPool:
+        """``n`` servers, each with its own processor, or taking turns on the shared host."""
+        cpu, ev = self.cpu, self.events
+        if cpu is None:
+            return ServerPool(name, [Server(i, f"{name}-{i}", ev, on_start, on_done, role) for i in range(n)])
+        return ServerPool(name, [SharedServer(i, f"{name}-{i}", ev, on_start, on_done, role, cpu) for i in range(n)])
 
     # ---- driver --------------------------------------------------------------------
 
@@ -135,34 +128,30 @@ class Simulator:
         finally:
             if collecting:
                 gc.enable()
+        return self._result()
+
+    def _result(self) -> SimResult:
+        m, link = self.m, self.remote.link
         for w in self.decode:
             w.flush_gaps()
             if w.joins:  # remote requests: from KV landing to joining the batch
-                self.m.wait_sum_ms["decode_join"] += w.join_wait_ms
-                self.m.wait_n["decode_join"] += w.joins
+                m.wait_sum_ms["decode_join"] += w.join_wait_ms
+                m.wait_n["decode_join"] += w.joins
         end = self._last_retired  # the run ends when the last request is done (not at the last sample)
-        busy = {
-            "encoder": self.encoders.busy_ms(end),
-            "prefill": self.prefill.busy_ms(end),
-            "decode": sum(w.busy_until(end) for w in self.decode),
-            "link": self.link.busy_ms(end),
-        }
-        delay, flows = self.link.mean_delay_ms()
+        busy = {"encoder": self.encoders.busy_ms(end), "prefill": self.prefill.busy_ms(end),
+                "decode": sum(w.busy_until(end) for w in self.decode), "link": link.busy_ms(end)}
+        sizes = {"encoder": len(self.encoders.servers), "prefill": len(self.prefill.servers),
+                 "decode": len(self.decode), "link": len(link.pipes)}
+        delay, flows = link.mean_delay_ms()
         if flows:
-            self.m.wait_sum_ms["link_queue"] += delay
-            self.m.wait_n["link_queue"] += flows
+            m.wait_sum_ms["link_queue"] += delay
+            m.wait_n["link_queue"] += flows
         if self.cpu is not None and self.cpu.pieces:  # per piece of work: time taken less its idle time
-            self.m.wait_sum_ms["host_core"] += self.cpu.stretch_ms
-            self.m.wait_n["host_core"] += self.cpu.pieces
-        sizes = {
-            "encoder": len(self.encoders.servers),
-            "prefill": len(self.prefill.servers),
-            "decode": len(self.decode),
-            "link": len(self.link.pipes),
-        }
+            m.wait_sum_ms["host_core"] += self.cpu.stretch_ms
+            m.wait_n["host_core"] += self.cpu.pieces
         if self.gateway.servers:  # only a modelled gateway is reported (the default reports stay as they were)
             busy["gateway"], sizes["gateway"] = self.gateway.busy_ms(end), 1
-        return SimResult(self.cfg, self.m, end, busy, sizes, self.link.transferred_bytes(), self.events.processed)
+        return SimResult(self.cfg, m, end, busy, sizes, link.transferred_bytes(), self.events.processed)
 
     def _arrive(self, now: float, spec: Arrival) -> None:
         nxt = next(self._arrivals, None)
@@ -174,9 +163,10 @@ class Simulator:
         self._rid += 1
         self._open += 1
         self.m.arrived += 1
-        self._after(now, self.cfg.service.hop_ms, self._enter, req, work=False)
+        self.after(now, self.cfg.service.hop_ms, self._enter, req, work=False)
 
-    def _after(self, now: float, ms: float, then: Any, req: SimRequest, *, work: bool = True, group: Any = None) -> None:
+    def after(self, now: float, ms: float, then: Callable[[float, Any], None], req: SimRequest, *,
+              work: bool = True, group: Any = None) -> None:
         """``then(t, req)`` once ``ms`` have passed: at once for 0; on a shared host as a piece of
         work (``group``: the process it runs in) or, ``work=False``, a wait; else a plain delay."""
         if ms <= 0.0:
@@ -189,24 +179,12 @@ class Simulator:
             self.cpu.wait(now, ms, then, req)
 
     def _enter(self, now: float, req: SimRequest) -> None:
-        """Past the request's hand-offs (``hop_ms``): to the gateway stage, else the encoder."""
+        """Past the request's hand-offs (``hop_ms``): to the gateway stage, else straight to admission."""
         if self.gateway.servers:
             req.t_mark = now
             self.gateway.servers[0].submit(req, self.cfg.service.gateway_request_ms, now)
         else:
-            self._encode(req, now)
-
-    def _encode(self, req: SimRequest, now: float) -> None:
-        """To the encoder when the request has images that cost encoder time, else straight to placement."""
-        if req.images and self.encoders.servers:
-            encode_ms = self.truth.encode_ms(req.images, req.cached)
-            if req.cached < req.images:
-                encode_ms += self.cfg.service.encode_request_ms
-            if encode_ms > 0.0:  # all cache hits at 0 ms: the gateway never calls the encoder
-                req.t_mark = now
-                self.encoders.least_loaded(now).submit(req, encode_ms, now)
-                return
-        self._place(req, now)
+            self._admit(req, now)
 
     def _sample(self, now: float, _: Any = None) -> None:
         m, workers = self.m, self.decode
@@ -215,224 +193,145 @@ class Simulator:
         s["encoder"].append(self.encoders.queued())
         s["prefill"].append(self.prefill.queued())
         s["kv_reservation"].append(sum(len(w.prealloc) for w in workers))
-        s["link"].append(self.link.active())
+        s["link"].append(self.remote.link.active())
         s["decode_join"].append(sum(len(w.pending) for w in workers))
         s["local_prefill"].append(sum(len(w.local_q) + (w.local_active is not None) for w in workers))
         s["decode_running"].append(sum(len(w.running) for w in workers))
         if self._more or self._open:
             self.events.at(now + self._sample_every, self._sample)
 
-    # ---- encode and place ----------------------------------------------------------
-
     def _gateway_start(self, req: SimRequest | None, now: float, server: Server) -> None:
         if req is not None:  # None: a finished request's closing work
-            self._wait_ms["gateway"] += now - req.t_mark
-            self._waits["gateway"] += 1
+            self.m.wait_sum_ms["gateway"] += now - req.t_mark
+            self.m.wait_n["gateway"] += 1
 
     def _gateway_done(self, req: SimRequest | None, now: float, server: Server) -> None:
         if req is not None:
-            self._encode(req, now)
+            self._admit(req, now)
 
-    def _encode_start(self, req: SimRequest, now: float, server: Server) -> None:
-        self._wait_ms["encoder"] += now - req.t_mark
-        self._waits["encoder"] += 1
+    # ---- admission: the gateway's decision -----------------------------------------
 
-    def _encode_done(self, req: SimRequest, now: float, server: Server) -> None:
-        self._place(req, now)
+    def snapshot(self, now: float) -> StatsSnapshot:
+        """What the gateway would hold now: every worker's report and its own remote requests in flight."""
+        reports = [w.report() for w in self.decode]
+        reports += [s.report(now) for s in self.prefill.servers]
+        reports += [s.report(now) for s in self.encoders.servers]
+        return StatsSnapshot(tuple(reports), self.kv_transfers, self.kv_bytes)
 
-    def _loads(self, now: float) -> StageLoads:
-        """The stage snapshot at ``now`` (the same objects each time, refreshed in place)."""
-        for w in self.decode:
-            w.load(now)
-        for s, load in self._prefill_loads:
-            load.queue_wait_ms = s.backlog_ms(now) if s.busy else 0.0
-        loads = self._stage_loads
-        loads.link = self.link.load(now)
-        return loads
+    def loads(self, req: SimRequest, now: float, *, own_transfer: bool = False) -> StageLoads:
+        """The policy's inputs for ``req`` now (``own_transfer``: its failed transfer left out of the link)."""
+        snap = self.snapshot(now)
+        return stage_loads(snap.less_transfer(req.kv_bytes) if own_transfer else snap, req.shape, self.cm)
 
-    def _place(self, req: SimRequest, now: float) -> None:
-        cfg = self.cfg
-        shape, loads, left = req.shape, self._loads(now), req.deadline - now
-        chunks, local_chunks = self._transfer_chunks, self._local_chunks
+    def decide(self, shape: RequestShape, snapshot: StatsSnapshot, left_ms: float,
+                pressure: Pressure | None = None) -> Admission:
+        """The gateway's verdict on ``snapshot`` (``gateway.admission.GatewayAdmission.admit``), or
+        with admission off the placement alone (refused only when no decode worker has the room)."""
+        cfg, loads = self.cfg, stage_loads(snapshot, shape, self.cm)
+        chunks, local = self._transfer_chunks, self._local_chunks
         if cfg.admission:
-            verdict = admit(
-                shape, loads, self.cm, cfg.placement, left, cfg.itl_slo_ms,
-                transfer_chunk_tokens=chunks, local_chunk_tokens=local_chunks,
-            )
-            decision = verdict.decision
-            if not verdict.ok:
-                self._reject(req, verdict.reason, now)
-                return
-        else:
-            decision = choose_placement(
-                shape, loads, self.cm, cfg.placement, left, cfg.itl_slo_ms,
-                transfer_chunk_tokens=chunks, local_chunk_tokens=local_chunks,
-            )
+            return admit(shape, loads, self.cm, cfg.placement, left_ms, cfg.itl_slo_ms, pressure=pressure,  # type: ignore[arg-type]
+                         transfer_chunk_tokens=chunks, local_chunk_tokens=local)
+        decision = choose_placement(shape, loads, self.cm, cfg.placement, left_ms, cfg.itl_slo_ms,  # type: ignore[arg-type]
+                                    transfer_chunk_tokens=chunks, local_chunk_tokens=local)
         if decision is None:
-            self._reject(req, "no_decode_capacity", now)
+            return Admission(False, None, "no_decode_capacity", 1)
+        return Admission(True, decision, decision.reason, 0)
+
+    def _admit(self, req: SimRequest, now: float) -> None:
+        pressure = self.pressure.inputs(now) if self.pressure is not None else None
+        verdict = self.decide(req.shape, self.snapshot(now), req.deadline - now, pressure)
+        decision = verdict.decision
+        if decision is None:
+            self.m.rejected += 1
+            self.m.rejections[verdict.reason] += 1
+            self._retire(now)
             return
         self.m.placements[decision.placement] += 1
         self.m.reasons[decision.reason] += 1
-        req.worker = worker = self.decode_by_name[decision.decode_worker]
-        req.t_mark = now
-        if decision.placement == COLOCATED:
-            req.local = True
-            req.prefill_ms = self.truth.prefill_ms(req.tokens)
-            if self._local_chunks is not None and req.tokens > 0:  # chunk by chunk, each riding a step
-                req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
-                req.prefill_ms = sum(req.local_chunks)
-            worker.claim_local(req)
-            # the worker's own work for it (embedding fetch, its stream) comes first
-            self._after(now, cfg.service.decode_request_ms, self._fetched, req, group=worker)
-        else:
-            self._submit_prefill(req, self.prefill_by_name[decision.prefill_worker], now)
+        req.worker = self.decode_by_name[decision.decode_worker]
+        req.prefill_server = None if decision.prefill_worker is None else self.prefill_by_name[decision.prefill_worker]
+        if req.prefill_server is not None:
+            req.kv_bytes = float(self.cm.kv_bytes(req.tokens))
+            self.kv_transfers += 1
+            self.kv_bytes += req.kv_bytes
+        if self.pressure is not None:
+            self.pressure.admitted()
+            req.t_admit, req.model_ms = now, decision.estimates["ttft_ms"] + verdict.backlog_ms
+        self._encode(req, now)
 
-    def _reject(self, req: SimRequest, reason: str, now: float) -> None:
-        self.m.rejected += 1
-        self.m.rejections[reason] += 1
-        self._retire(now)
+    def _encode(self, req: SimRequest, now: float) -> None:
+        """To the encoder when the request has images that cost encoder time, else straight to its placement."""
+        if req.images and self.encoders.servers:
+            encode_ms = self.truth.encode_ms(req.images, req.cached)
+            if req.cached < req.images:
+                encode_ms += self.cfg.service.encode_request_ms
+            if encode_ms > 0.0:  # all cache hits at 0 ms: the gateway never calls the encoder
+                req.t_mark = now
+                self.encoders.least_loaded(now).submit(req, encode_ms, now)
+                return
+        self._start(req, now)
+
+    def _encode_start(self, req: SimRequest, now: float, server: Server) -> None:
+        self.m.wait_sum_ms["encoder"] += now - req.t_mark
+        self.m.wait_n["encoder"] += 1
+
+    def _encode_done(self, req: SimRequest, now: float, server: Server) -> None:
+        self._start(req, now)
+
+    def _start(self, req: SimRequest, now: float) -> None:
+        """Run the admitted placement: the remote path, or a colocated prefill on ``req.worker``."""
+        if req.prefill_server is not None:
+            self.remote.submit(req, req.prefill_server, now)
+            return
+        worker = req.worker
+        req.local = True
+        req.prefill_ms = self.truth.prefill_ms(req.tokens)
+        if self._local_chunks is not None:  # chunk by chunk, each riding a step
+            req.local_chunks = list(self.truth.chunk_times(req.tokens, self._local_chunks))
+            req.prefill_ms = sum(req.local_chunks)
+        worker.claim_local(req)
+        req.t_mark = now
+        # the worker's own work for it (embedding fetch, its stream) comes first, on its RPC threads
+        self.after(now, self.cfg.service.decode_request_ms, self._fetched, req, group=worker)
+
+    @staticmethod
+    def _fetched(now: float, req: SimRequest) -> None:
+        req.worker.queue_local(req, now)
+
+    # ---- retirement and the decode workers' callbacks ------------------------------
 
     def _retire(self, now: float) -> None:
         self._open -= 1
         self._last_retired = now
 
-    # ---- remote prefill and transfer -----------------------------------------------
+    def _off_the_link(self, req: SimRequest) -> None:
+        if req.kv_bytes:
+            self.kv_transfers -= 1
+            self.kv_bytes = self.kv_bytes - req.kv_bytes if self.kv_transfers else 0.0
+            req.kv_bytes = 0.0
 
-    def _submit_prefill(self, req: SimRequest, server: Server, now: float) -> None:
-        chunk = self._transfer_chunks
-        overhead = self.cfg.service.prefill_request_ms  # before the first pass (embedding fetch, RPCs)
-        if chunk is not None and req.tokens > chunk:
-            ready = self.truth.chunk_ready_ms(req.tokens, chunk)
-            req.chunk_bytes = [self.truth.kv_bytes(c) for c in self.truth.chunk_sizes(req.tokens, chunk)]
-            service = ready[-1] + overhead
-        else:
-            req.chunk_bytes = None
-            service = self.truth.prefill_ms(req.tokens) + overhead
-        req.prefill_done, req.chunks_ready, req.chunks_sent = False, 0, 0
-        req.t_mark = now
-        server.submit(req, service, now)
-
-    def _prefill_start(self, req: SimRequest, now: float, server: Server) -> None:
-        self._wait_ms["prefill"] += now - req.t_mark
-        self._waits["prefill"] += 1
-        if req.chunk_bytes is not None:
-            start = now + self.cfg.service.prefill_request_ms
-            for t in self.truth.chunk_ready_ms(req.tokens, self._transfer_chunks)[:-1]:  # type: ignore[arg-type]
-                self.events.at(start + t, self._chunk_ready, req)
-        if not req.reserved:
-            req.t_reserve = now
-            req.worker.reserve(req, now)
-
-    def _prefill_done(self, req: SimRequest, now: float, server: Server) -> None:
-        req.prefill_done = True
-        if req.chunk_bytes is not None:
-            self._chunk_ready(now, req)
-        elif req.reserved:
-            self._send_full(req, now)
-
-    def _chunk_ready(self, now: float, req: SimRequest) -> None:
-        req.chunks_ready += 1
-        if req.reserved:
-            self._send_chunks(req, now)
+    def failed(self, req: SimRequest, now: float) -> None:
+        """A request that fails without a first token (its transfer could not recover)."""
+        self._off_the_link(req)
+        if self.pressure is not None:
+            self.pressure.left(now, got_first_token=False)
+        self.m.failed += 1
+        self._retire(now)
 
     def reservation_granted(self, req: SimRequest, now: float) -> None:
-        req.reserved = True
-        self._wait_ms["kv_reservation"] += now - req.t_reserve
-        self._waits["kv_reservation"] += 1
-        if req.resend_full or req.chunk_bytes is None:
-            if req.prefill_done:
-                self._send_full(req, now)
-        else:
-            self._send_chunks(req, now)
-
-    def _send_chunks(self, req: SimRequest, now: float) -> None:
-        if req.chunks_sent == 0 and req.chunks_ready:
-            self._new_attempt(req, now, flows=len(req.chunk_bytes))  # type: ignore[arg-type]
-        while req.chunks_sent < req.chunks_ready:
-            self.link.send(req, req.chunk_bytes[req.chunks_sent], now)  # type: ignore[index]
-            req.chunks_sent += 1
-
-    def _send_full(self, req: SimRequest, now: float) -> None:
-        self._new_attempt(req, now, flows=1)
-        self.link.send(req, self.truth.kv_bytes(req.tokens), now)
-
-    def _new_attempt(self, req: SimRequest, now: float, flows: int) -> None:
-        req.attempts += 1
-        req.flows, req.landed, req.t_send = flows, 0, now
-
-    def _flow_done(self, req: SimRequest, now: float) -> None:
-        req.landed += 1
-        if req.landed < req.flows:
-            return
-        self.m.transfers += 1
-        if self.cfg.failure_prob and self._fail_rng.random() < self.cfg.failure_prob:
-            self._transfer_failed(req, now)
-            return
-        self._wait_ms["link"] += now - req.t_send
-        self._waits["link"] += 1
-        req.t_mark = now
-        self._after(now, self.cfg.service.decode_request_ms, self._received, req, group=req.worker)
-
-    def _fetched(self, now: float, req: SimRequest) -> None:
-        """The decode worker's own work for a colocated request (embedding fetch, reserve, its
-        stream) is done: it queues for local prefill. Like ``_received``, that work runs on the
-        worker's RPC threads, taking turns with the step loop."""
-        req.worker.queue_local(req, now)  # type: ignore[union-attr]
-
-    def _received(self, now: float, req: SimRequest) -> None:
-        """The decode worker's own work for a remote request (reserve, KV receive and insert, its
-        stream) is done: its first token goes out. That work runs on the worker's RPC threads,
-        beside its step loop, taking turns with it on the one interpreter lock (on a shared host;
-        with a processor per worker it delays only this request)."""
-        req.worker.land(req, now)  # type: ignore[union-attr]
-
-    def _transfer_failed(self, req: SimRequest, now: float) -> None:
-        m, cfg, worker = self.m, self.cfg, req.worker
-        m.transfer_failures += 1
-        m.cleanups["partial_transfer"] += 1  # chunk / flow bookkeeping of the failed attempt
-        held = cfg.reservation_held_on_failure
-        if not held:
-            self._release(req, now)
-        others = [w for w in self.decode if w is not worker and w.free_slots() > 0]
-        action = on_transfer_failure(
-            req.deadline - now, held, req.attempts, req.shape, self.cm, bool(others),
-            any(not s.busy for s in self.prefill.servers), max_attempts=cfg.max_transfer_attempts,
-            link=self.link.load(now),
-            prefill_wait_ms=min((s.backlog_ms(now) for s in self.prefill.servers), default=0.0),
-            decode_batch=len(worker.running) + 1,  # type: ignore[union-attr]
-        )
-        m.failure_actions[action.kind] += 1
-        if action.kind == "retry":
-            self._send_full(req, now)
-            return
-        if req.reserved:
-            self._release(req, now)
-        if action.kind == "other_decode":
-            req.worker = max(others, key=lambda w: w.free_slots())
-            req.resend_full = True
-            req.t_reserve = now
-            req.worker.reserve(req, now)
-        elif action.kind == "reprefill":
-            req.resend_full = False
-            self._submit_prefill(req, self.prefill.least_loaded(now), now)
-        else:
-            m.failed += 1
-            self._retire(now)
-
-    def _release(self, req: SimRequest, now: float) -> None:
-        req.reserved = False
-        self.m.cleanups["reservation"] += 1
-        req.worker.release(req, now)  # type: ignore[union-attr]
-
-    # ---- host callbacks from decode workers ----------------------------------------
+        self.remote.reservation_granted(req, now)
 
     def local_prefill_started(self, req: SimRequest, now: float) -> None:
-        self._wait_ms["local_prefill"] += now - req.t_mark
-        self._waits["local_prefill"] += 1
+        self.m.wait_sum_ms["local_prefill"] += now - req.t_mark
+        self.m.wait_n["local_prefill"] += 1
 
     def first_token(self, req: SimRequest, t: float) -> None:
         req.t_first = t
         self.m.ttft_ms.append(t - req.arrival)
+        self._off_the_link(req)
+        if self.pressure is not None:
+            self.pressure.left(t, got_first_token=True, overrun_ms=t - req.t_admit - req.model_ms)
 
     def finished(self, req: SimRequest, now: float, worker: DecodeWorker) -> None:
         m = self.m

@@ -11,7 +11,8 @@ there is no interference for the transfer to buy down.
 from __future__ import annotations
 
 from runtime.policy.cost_model import CostModel
-from runtime.policy.placement_policy import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads, choose_placement
+from runtime.policy.loads import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads
+from runtime.policy.placement_policy import choose_placement
 
 
 def split_threshold(
@@ -37,7 +38,7 @@ def split_threshold(
         raise ValueError("need neighbours >= 0, output_tokens >= 1, step_tokens >= 1, max_tokens >= 1")
     free = max(1, cm.decode_slots - neighbours)
     loads = StageLoads(
-        decode=(DecodeWorkerLoad("decode", neighbours, free, None, 16, local_wait_ms, 0.0, 0, True),),
+        decode=(DecodeWorkerLoad("decode", neighbours, free, None, 16, local_wait_ms),),
         prefill=(PrefillWorkerLoad("prefill", prefill_wait_ms),),
     )
 

@@ -14,14 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.policy.cost_model import CostModel
-from runtime.policy.placement_policy import (
-    DecodeWorkerLoad,
-    PrefillWorkerLoad,
-    RequestShape,
-    StageLoads,
-    choose_placement,
-    on_transfer_failure,
-)
+from runtime.policy.failure_policy import on_transfer_failure
+from runtime.policy.loads import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads
+from runtime.policy.placement_policy import choose_placement
 from runtime.policy.service_times import GIB, ServiceTimes
 from sim.split_threshold import split_threshold
 
@@ -61,8 +56,9 @@ def worked_example(
     idle = StageLoads(decode=(DecodeWorkerLoad("decode-0", 0, slots),), prefill=(PrefillWorkerLoad("prefill-0"),))
     idle_decision = choose_placement(shape, idle, cm, "conditional", ttft_budget_ms, itl_slo_ms)
     left = ttft_budget_ms - remote  # the link drops as prefill finishes: ~370 ms committed
-    kept = on_transfer_failure(left, True, 1, shape, cm, other_decode_available=False, prefill_free=True)
-    lost = on_transfer_failure(left, False, 1, shape, cm, other_decode_available=False, prefill_free=True)
+    alone = StageLoads(decode=(DecodeWorkerLoad("decode-0", 0, slots),), prefill=(PrefillWorkerLoad("prefill-0"),))
+    kept = on_transfer_failure(left, 1, shape, cm, alone, "decode-0", reservation_held=True)
+    lost = on_transfer_failure(left, 1, shape, cm, alone, "decode-0", reservation_held=False)
     short_kv = cm.kv_bytes(short_prompt_tokens)
     if decision is None or idle_decision is None:
         raise RuntimeError("a decode worker with free slots must always be placeable")

@@ -5,14 +5,12 @@ cached_images)``; ``prompt_tokens`` already includes ``images x image_tokens``.
 ``Workload.arrivals()`` yields them in time order, lazily, so a million requests
 never sit in memory at once. Everything is a pure function of ``seed``.
 
-Trace files: JSON lines (``.jsonl``) or CSV with a header, one request per row,
-fields ``t_s``, ``prompt_tokens``, ``output_tokens`` and optionally ``images``
-and ``cached_images``.
+Trace files: JSON lines, one request per line, fields ``t_s``, ``prompt_tokens``,
+``output_tokens`` and optionally ``images`` and ``cached_images``.
 """
 
 from __future__ import annotations
 
-import csv
 import heapq
 import json
 import math
@@ -131,12 +129,9 @@ class Workload:
         prompt, output = self.mix.prompt_tokens.sampler(rng), self.mix.output_tokens.sampler(rng)
         images = self.mix.images.sampler(rng)
         mean_gap_ms = 1000.0 / self.rate
-        uniform, log, t = gaps.random, math.log, 0.0
-        hit, image_tokens = self.mix.cache_hit_ratio, self.mix.image_tokens
-        for _ in range(self.requests):  # _request's body, inlined: this loop runs once per request
-            p, o, n = prompt(), output(), images()
-            cached = sum(1 for _ in range(n) if rng.random() < hit) if n and hit else 0
-            yield (t, p + n * image_tokens, o, n, cached)
+        uniform, log, t, request = gaps.random, math.log, 0.0, self._request
+        for _ in range(self.requests):
+            yield request(t, prompt(), output(), images(), rng)
             t += -log(1.0 - uniform()) * mean_gap_ms  # Exp(1) by inversion: what gaps.expovariate(1.0) draws
 
     def _bursts(self) -> Iterator[Arrival]:
@@ -155,19 +150,16 @@ class Workload:
 
 
 def load_trace(path: str | Path, image_tokens: int = 256) -> tuple[Arrival, ...]:
-    """Read a trace (``.jsonl`` or ``.csv``); rows are sorted by time."""
+    """Read a JSON-lines trace; rows are sorted by time."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise WorkloadError(f"cannot read trace {path}: {exc}") from None
-    if path.suffix == ".csv":
-        records = list(csv.DictReader(text.splitlines()))
-    else:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"{path}: not JSON lines: {exc}") from None
+    try:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{path}: not JSON lines: {exc}") from None
     rows: list[Arrival] = []
     for n, rec in enumerate(records, 1):
         try:

@@ -61,7 +61,7 @@ def orchestrator_counters(orch) -> GatewayProbe:
         for h in orch.registry.handles():     # a handle leaving discovery and its successor: summed
             name = f"gateway inflight on {h.role} {h.address}"
             out[name] = out.get(name, 0) + h.inflight
-        out["gateway: admitted, waiting for a first token"] = orch.pressure.waiting
+        out["gateway: admitted, waiting for a first token"] = orch.admission.pressure.waiting
         return out
     return probe
 

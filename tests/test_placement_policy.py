@@ -5,21 +5,17 @@ from __future__ import annotations
 import pytest
 
 from runtime.policy.cost_model import CostModel
-from runtime.policy.placement_policy import (
-    REASONS,
+from runtime.policy.failure_policy import on_transfer_failure
+from runtime.policy.loads import (
     DecodeWorkerLoad,
     EncoderLoad,
     LinkLoad,
     PrefillWorkerLoad,
+    Pressure,
     RequestShape,
     StageLoads,
-    admit,
-    choose_placement,
-    estimate_local,
-    estimate_remote,
-    link_share,
-    on_transfer_failure,
 )
+from runtime.policy.placement_policy import REASONS, admit, choose_placement, link_share
 
 CM = CostModel()
 LONG = RequestShape(6000, 400)
@@ -34,40 +30,54 @@ def busy(name: str = "d0", running: int = 8, **kw: object) -> DecodeWorkerLoad:
     return DecodeWorkerLoad(name, running_seqs=running, free_slots=32 - running, **kw)  # type: ignore[arg-type]
 
 
-# ---- estimates ---------------------------------------------------------------------
+# ---- estimates (as choose_placement reports them) ----------------------------------
+
+
+def local(shape: RequestShape, worker: DecodeWorkerLoad, **kw: object) -> dict[str, float]:
+    """The colocated estimate on ``worker`` alone (mode colocated: no remote option evaluated)."""
+    decision = choose_placement(shape, loads(worker, prefill=()), CM, "colocated", 600.0, 150.0, **kw)  # type: ignore[arg-type]
+    assert decision is not None and decision.placement == "colocated"
+    return decision.estimates
+
+
+def remote(shape: RequestShape, prefill: PrefillWorkerLoad, decode: DecodeWorkerLoad, **kw: object) -> dict[str, float]:
+    """The remote estimate for ``prefill`` -> ``decode`` (mode disaggregated)."""
+    decision = choose_placement(shape, loads(decode, prefill=(prefill,)), CM, "disaggregated", 600.0, 150.0, **kw)  # type: ignore[arg-type]
+    assert decision is not None and decision.placement == "disaggregated"
+    return decision.estimates
 
 
 def test_local_estimate_counts_the_stall_on_every_neighbour() -> None:
-    est = estimate_local(LONG, busy(running=8), CM, 150.0)
-    assert est.ttft_ms == pytest.approx(230.0)
-    assert est.gap_ms == pytest.approx(275.0)  # 230 ms prefill + one 45 ms step
-    assert est.interference_ms == pytest.approx(8 * 230.0)
-    assert est.breached == 8
-    idle = estimate_local(LONG, busy(running=0), CM, 150.0)
-    assert (idle.interference_ms, idle.breached) == (0.0, 0)
+    est = local(LONG, busy(running=8))
+    assert est["local_ttft_ms"] == pytest.approx(230.0)
+    assert est["local_gap_ms"] == pytest.approx(275.0)  # 230 ms prefill + one 45 ms step
+    assert est["local_interference_ms"] == pytest.approx(8 * 230.0)
+    assert est["local_breached"] == 8
+    idle = local(LONG, busy(running=0))
+    assert (idle["local_interference_ms"], idle["local_breached"]) == (0.0, 0)
 
 
 def test_local_chunked_prefill_keeps_gaps_under_the_slo() -> None:
-    est = estimate_local(LONG, busy(running=8), CM, 150.0, local_chunk_tokens=512)
-    assert est.gap_ms < 150.0
-    assert est.interference_ms == 0.0 and est.breached == 0
-    assert est.ttft_ms > 230.0  # chunks share iterations with decode steps
+    est = local(LONG, busy(running=8), local_chunk_tokens=512)
+    assert est["local_gap_ms"] < 150.0
+    assert est["local_interference_ms"] == 0.0 and est["local_breached"] == 0
+    assert est["local_ttft_ms"] > 230.0  # chunks share iterations with decode steps
 
 
 def test_remote_estimate_is_the_chapters_370_ms() -> None:
-    est = estimate_remote(LONG, PrefillWorkerLoad("p0"), busy(), LinkLoad(), CM)
-    assert est.ttft_ms == pytest.approx(370.2, abs=0.1)
-    assert est.transfer_ms == pytest.approx(95.2, abs=0.1)
-    chunked = estimate_remote(LONG, PrefillWorkerLoad("p0"), busy(), LinkLoad(), CM, transfer_chunk_tokens=2000)
-    assert chunked.ttft_ms == pytest.approx(314.7, abs=0.1)
+    est = remote(LONG, PrefillWorkerLoad("p0"), busy())
+    assert est["remote_ttft_ms"] == pytest.approx(370.2, abs=0.1)
+    assert est["remote_transfer_ms"] == pytest.approx(95.2, abs=0.1)
+    chunked = remote(LONG, PrefillWorkerLoad("p0"), busy(), transfer_chunk_tokens=2000)
+    assert chunked["remote_ttft_ms"] == pytest.approx(314.7, abs=0.1)
 
 
 def test_remote_estimate_adds_queues() -> None:
-    base = estimate_remote(LONG, PrefillWorkerLoad("p0"), busy(), LinkLoad(), CM).ttft_ms
-    queued = estimate_remote(LONG, PrefillWorkerLoad("p0", queue_wait_ms=100.0), busy(), LinkLoad(), CM).ttft_ms
+    base = remote(LONG, PrefillWorkerLoad("p0"), busy())["remote_ttft_ms"]
+    queued = remote(LONG, PrefillWorkerLoad("p0", queue_wait_ms=100.0), busy())["remote_ttft_ms"]
     assert queued == pytest.approx(base + 100.0)
     full = DecodeWorkerLoad("d0", running_seqs=32, free_slots=0, slot_wait_ms=2000.0)
-    assert estimate_remote(LONG, PrefillWorkerLoad("p0"), full, LinkLoad(), CM).ttft_ms == pytest.approx(2045.0)
+    assert remote(LONG, PrefillWorkerLoad("p0"), full)["remote_ttft_ms"] == pytest.approx(2045.0)
 
 
 def test_link_share() -> None:
@@ -158,13 +168,6 @@ def test_encoder_wait_counts_toward_ttft() -> None:
     assert decision.estimates["ttft_ms"] == pytest.approx(50.0 + CM.encode_ms(2, 1) + 230.0)
 
 
-def test_cached_prefix_on_a_decode_worker_shortens_local_prefill() -> None:
-    cached = DecodeWorkerLoad("d1", running_seqs=0, free_slots=32, cached_prefix_tokens=5000)
-    decision = choose_placement(LONG, loads(busy("d0", 0), cached), CM, "colocated", 600.0, 150.0)
-    assert decision is not None and decision.decode_worker == "d1"
-    assert decision.estimates["ttft_ms"] == pytest.approx(CM.prefill_ms(1000))
-
-
 def test_reasons_are_label_safe_and_known() -> None:
     for reason in REASONS:
         assert reason.replace("_", "").isalnum() and reason.islower()
@@ -200,37 +203,77 @@ def test_admit_refuses_without_decode_capacity() -> None:
     assert admit(SHORT, StageLoads(decode=()), CM, "disaggregated", 600.0, 150.0).reason == "no_decode_workers"
 
 
+def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline() -> None:
+    state = loads(busy(running=0))
+    ttft = admit(LONG, state, CM, "conditional", 600.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
+    calm = admit(LONG, state, CM, "conditional", 600.0, 150.0, pressure=Pressure(10, None, 0.0))
+    assert calm.ok and calm.backlog_ms == 0.0  # no rate seen yet: the stage estimates decide alone
+    queued = Pressure(waiting=20, first_token_rate_per_s=100.0, overrun_ms=50.0)  # 200 ms of backlog
+    assert queued.backlog_ms() == pytest.approx(200.0)
+    fits = admit(LONG, state, CM, "conditional", ttft + 251.0, 150.0, pressure=queued)
+    assert fits.ok and (fits.backlog_ms, fits.overrun_ms) == (pytest.approx(200.0), 50.0)
+    late = admit(LONG, state, CM, "conditional", ttft + 249.0, 150.0, pressure=queued)
+    assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)
+
+
 # ---- transfer failure --------------------------------------------------------------
+
+
+def failure_loads(*, other_decode: bool = False, prefill_wait_ms: float = 0.0, link: LinkLoad | None = None) -> StageLoads:
+    """The decode worker ``d0`` whose transfer failed, maybe another with room, one prefill worker."""
+    decode = (busy("d0", 0),) + ((busy("d1", 0),) if other_decode else ())
+    return StageLoads(decode, (PrefillWorkerLoad("p0", prefill_wait_ms),), link or LinkLoad())
 
 
 def test_worked_example_failure_retry_when_reservation_held() -> None:
     left = 600.0 - CM.remote_ttft_ms(6000)  # ~230 ms of budget when the link drops
-    action = on_transfer_failure(left, True, 1, LONG, CM, other_decode_available=False, prefill_free=True)
+    action = on_transfer_failure(left, 1, LONG, CM, failure_loads(), "d0", reservation_held=True)
     assert (action.kind, action.reason) == ("retry", "reservation_held_retry_fits")
     assert action.cost_ms == pytest.approx(95.2 + 45.0, abs=0.1)
 
 
 def test_worked_example_failure_fails_when_reservation_released() -> None:
     left = 600.0 - CM.remote_ttft_ms(6000)
-    action = on_transfer_failure(left, False, 1, LONG, CM, other_decode_available=False, prefill_free=True)
+    action = on_transfer_failure(left, 1, LONG, CM, failure_loads(), "d0", reservation_held=False)
     assert (action.kind, action.reason) == ("fail", "deadline_exhausted")  # re-prefill needs ~370 ms
 
 
 def test_failure_other_decode_and_reprefill() -> None:
-    action = on_transfer_failure(300.0, False, 1, LONG, CM, other_decode_available=True, prefill_free=True)
+    action = on_transfer_failure(300.0, 1, LONG, CM, failure_loads(other_decode=True), "d0", reservation_held=False)
     assert action.kind == "other_decode"
-    action = on_transfer_failure(1000.0, False, 1, LONG, CM, other_decode_available=False, prefill_free=True)
+    action = on_transfer_failure(1000.0, 1, LONG, CM, failure_loads(), "d0", reservation_held=False)
     assert action.kind == "reprefill" and action.cost_ms == pytest.approx(370.2, abs=0.1)
-    busy_prefill = on_transfer_failure(
-        500.0, False, 1, LONG, CM, other_decode_available=False, prefill_free=False, prefill_wait_ms=200.0
-    )
+    busy_prefill = on_transfer_failure(500.0, 1, LONG, CM, failure_loads(prefill_wait_ms=200.0), "d0",
+                                       reservation_held=False)
     assert busy_prefill.kind == "fail"
+    no_prefill = on_transfer_failure(1000.0, 1, LONG, CM, StageLoads((busy("d0", 0),)), "d0", reservation_held=False)
+    assert no_prefill.kind == "fail"  # no prefill worker left to re-prefill on
+
+
+def test_a_lost_decode_worker_leaves_only_another_decode_worker() -> None:
+    # its blocks died with it: neither a retry nor a re-prefill into them, however much time is left
+    lost = on_transfer_failure(10_000.0, 1, LONG, CM, failure_loads(), "d0", decode_lost=True)
+    assert (lost.kind, lost.reason) == ("fail", "decode_worker_lost_no_other")
+    moved = on_transfer_failure(10_000.0, 1, LONG, CM, failure_loads(other_decode=True), "d0", decode_lost=True)
+    assert (moved.kind, moved.reason) == ("other_decode", "decode_worker_lost")
+    full = StageLoads((busy("d0", 0), busy("d1", 32)), (PrefillWorkerLoad("p0"),))
+    assert on_transfer_failure(10_000.0, 1, LONG, CM, full, "d0", decode_lost=True).kind == "fail"  # d1 has no slot
+    held = on_transfer_failure(10_000.0, 1, LONG, CM, failure_loads(), "d0")
+    assert held.kind == "retry"
 
 
 def test_failure_retries_are_bounded_and_see_the_link_queue() -> None:
-    assert on_transfer_failure(10_000.0, True, 3, LONG, CM, True, True, max_attempts=3).reason == "attempts_exhausted"
+    exhausted = on_transfer_failure(10_000.0, 3, LONG, CM, failure_loads(other_decode=True), "d0", max_attempts=3)
+    assert exhausted.reason == "attempts_exhausted"
     queued = LinkLoad(queued_bytes=10 * CM.kv_bytes(6000))
-    action = on_transfer_failure(230.0, True, 1, LONG, CM, False, True, link=queued)
+    action = on_transfer_failure(230.0, 1, LONG, CM, failure_loads(link=queued), "d0")
     assert action.kind == "fail"  # ten transfers ahead: a retry cannot land in time
     with pytest.raises(ValueError):
-        on_transfer_failure(100.0, True, 0, LONG, CM, False, True)
+        on_transfer_failure(100.0, 0, LONG, CM, failure_loads(), "d0")
+
+
+def test_a_retry_costs_a_step_of_the_failed_workers_batch() -> None:
+    state = StageLoads((busy("d0", 20),), (PrefillWorkerLoad("p0"),))
+    service = CostModel(CM.service_times().replace(decode_step_ms_per_seq=1.0))
+    action = on_transfer_failure(10_000.0, 1, LONG, service, state, "d0")
+    assert action.cost_ms == pytest.approx(service.transfer_ms(service.kv_bytes(6000)) + service.decode_step_ms(21))

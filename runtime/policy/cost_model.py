@@ -150,6 +150,15 @@ class CostModel:
         """Whole-prompt prefill of ``tokens`` new tokens on an idle worker."""
         return self.prefill(tokens)
 
+    def queued_prefill_ms(self, tokens: int, prompts: int) -> float:
+        """A queue of ``prompts`` prompts holding ``tokens`` tokens between them, prefilled one
+        after another: the fixed cost once per prompt and the attention term per prompt (exact
+        when the prompts are of equal length). 0 for an empty queue."""
+        if tokens <= 0:
+            return 0.0
+        n, fit = max(1, prompts), self.prefill
+        return n * fit.intercept + fit.slope * tokens + fit.curve * tokens * tokens / n
+
     @staticmethod
     def chunk_sizes(tokens: int, chunk_tokens: int) -> list[int]:
         """``tokens`` split into chunks of ``chunk_tokens`` (the last one may be shorter)."""

@@ -22,19 +22,23 @@ Placements:
   decoders goes remote (the chapter's 8 neighbours x 230 ms stall against a
   95 ms transfer), and under low load the transfer buys nothing and colocated wins.
 
-Reasons are short, label-safe strings (see ``REASONS``). The dataclasses here are
-plain (not frozen: construction is on every request's path) but are snapshots:
-treat them as read-only.
+Admission (``admit``) places the request, then refuses it when the chosen placement's
+TTFT estimate, plus the pipeline's backlog and the model's recent misprediction
+(``loads.Pressure``), would miss the deadline.
+
+Reasons are short, label-safe strings (see ``REASONS``). The inputs are built by
+``runtime.policy.worker_stats.stage_loads`` from what the workers report.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from runtime.policy.cost_model import CostModel
+from runtime.policy.loads import DecodeWorkerLoad, EncoderLoad, LinkLoad, PrefillWorkerLoad, Pressure, RequestShape, StageLoads
 
 Mode = Literal["colocated", "disaggregated", "conditional"]
 MODES: tuple[str, ...] = ("colocated", "disaggregated", "conditional")
@@ -50,82 +54,6 @@ REASONS: tuple[str, ...] = (
     "local_misses_deadline",  # remote: only it meets this request's TTFT deadline
     "local_queue_slower",  # remote: equal harm, lower TTFT
 )
-
-
-@dataclass(slots=True)
-class RequestShape:
-    """What placement needs to know about one request.
-
-    ``prompt_tokens`` counts every token prefill processes (image tokens included).
-    """
-
-    prompt_tokens: int
-    max_tokens: int
-    n_images: int = 0
-    n_images_cached: int = 0
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1:
-            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.n_images_cached <= self.n_images:
-            raise ValueError(f"need 0 <= n_images_cached <= n_images, got {self.n_images_cached}/{self.n_images}")
-
-
-@dataclass(slots=True)
-class EncoderLoad:
-    """The encoder pool: wait until the least-loaded encoder could start."""
-
-    queue_wait_ms: float = 0.0
-
-
-@dataclass(slots=True)
-class PrefillWorkerLoad:
-    address: str
-    queue_wait_ms: float = 0.0  # until this worker could start a new prompt
-    cached_prefix_tokens: int = 0  # of this request's prompt already in its prefix cache
-
-
-@dataclass(slots=True)
-class DecodeWorkerLoad:
-    """One decode worker. ``running_seqs`` are the neighbours a local prefill would stall."""
-
-    address: str
-    running_seqs: int = 0
-    free_slots: int = 1  # batch slots neither running, reserved nor promised to queued requests
-    free_blocks: int | None = None  # free KV blocks; None: not reported (no block check)
-    block_size: int = 16  # tokens per KV block
-    queue_wait_ms: float = 0.0  # local prefill work already queued on this worker
-    slot_wait_ms: float = 0.0  # until a slot frees, when free_slots == 0
-    cached_prefix_tokens: int = 0  # of this request's prompt already cached here
-    accepts_local_prefill: bool = True  # False: a pure decode worker (no colocated option)
-
-    def __post_init__(self) -> None:
-        if self.running_seqs < 0 or self.block_size < 1:
-            raise ValueError(f"bad decode load for {self.address}: running_seqs >= 0 and block_size >= 1")
-        if self.queue_wait_ms < 0 or self.slot_wait_ms < 0:
-            raise ValueError(f"negative wait in decode load for {self.address}")
-
-
-@dataclass(slots=True)
-class LinkLoad:
-    """The KV link. A new transfer waits for ``queued_bytes`` (FIFO, ahead of it) and
-    shares bandwidth with ``active_transfers`` that still have ``inflight_bytes`` to move."""
-
-    active_transfers: int = 0
-    inflight_bytes: float = 0.0
-    queued_bytes: float = 0.0
-
-
-@dataclass(slots=True)
-class StageLoads:
-    """Snapshot of every stage. ``encoder`` is None when encoding is done or not needed."""
-
-    decode: tuple[DecodeWorkerLoad, ...]
-    prefill: tuple[PrefillWorkerLoad, ...] = ()
-    link: LinkLoad = field(default_factory=LinkLoad)
-    encoder: EncoderLoad | None = None
 
 
 @dataclass(slots=True)
@@ -160,13 +88,8 @@ class Admission:
     decision: PlacementDecision | None  # None when refused
     reason: str  # the decision's reason when admitted, else the refusal's
     retry_after_s: int  # 0 when admitted, else >= 1
-
-
-@dataclass(slots=True)
-class FailureAction:
-    kind: Literal["retry", "other_decode", "reprefill", "fail"]
-    reason: str
-    cost_ms: float  # estimated time to first token of the chosen action (inf for fail)
+    backlog_ms: float = 0.0  # the pressure's backlog the deadline check added
+    overrun_ms: float = 0.0  # ... and its misprediction margin
 
 
 # ---- estimates --------------------------------------------------------------------
@@ -199,59 +122,20 @@ def link_share(nbytes: float, link: LinkLoad) -> float:
     return nbytes / (nbytes + competing)
 
 
-def estimate_local(
-    shape: RequestShape,
-    worker: DecodeWorkerLoad,
-    cm: CostModel,
-    itl_slo_ms: float,
-    *,
-    local_chunk_tokens: int | None = None,
-    encode_ms: float = 0.0,
-) -> LocalEstimate:
-    """Colocated on ``worker``: its TTFT and the stall its running neighbours absorb."""
-    prompt_ms = cm.prefill_ms(shape.prompt_tokens)
-    return _best_local(shape, (worker,), cm, itl_slo_ms, math.inf, local_chunk_tokens, encode_ms, prompt_ms)
-
-
-def estimate_remote(
-    shape: RequestShape,
-    prefill: PrefillWorkerLoad,
-    decode: DecodeWorkerLoad,
-    link: LinkLoad,
-    cm: CostModel,
-    *,
-    transfer_chunk_tokens: int | None = None,
-    encode_ms: float = 0.0,
-) -> RemoteEstimate:
-    """Remote prefill on ``prefill``, KV over the link, first token from ``decode``."""
-    prompt_ms = cm.prefill_ms(shape.prompt_tokens)
-    return _best_remote(shape, (prefill,), link, (decode,), cm, transfer_chunk_tokens, encode_ms, prompt_ms)
-
-
 def _remote_landed(
-    shape: RequestShape,
-    prefill: PrefillWorkerLoad,
-    decode_cached_tokens: int,
-    link: LinkLoad,
-    cm: CostModel,
-    transfer_chunk_tokens: int | None,
-    encode_ms: float,
-    prompt_prefill_ms: float,
+    shape: RequestShape, prefill: PrefillWorkerLoad, link: LinkLoad, cm: CostModel, transfer_chunk_tokens: int | None,
+    encode_ms: float, prompt_prefill_ms: float,
 ) -> tuple[float, float]:
     """(when the KV has landed on the decode side, the transfer's own duration).
     ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request."""
-    tokens = shape.prompt_tokens - prefill.cached_prefix_tokens
-    if tokens < 1:
-        tokens = 1
-    kv_tokens = shape.prompt_tokens - decode_cached_tokens
-    nbytes = cm.kv_bytes(kv_tokens if kv_tokens > 0 else 0)
+    tokens = shape.prompt_tokens
+    nbytes = cm.kv_bytes(tokens)
     share = link_share(nbytes, link)
     start = encode_ms if encode_ms > prefill.queue_wait_ms else prefill.queue_wait_ms
     transfer = cm.transfer_ms(nbytes, share)
     if transfer_chunk_tokens is not None and tokens > transfer_chunk_tokens:
         return start + cm.transfer_done_ms(tokens, transfer_chunk_tokens, share), transfer
-    prefill_ms = cm.prefill_ms(tokens) if prefill.cached_prefix_tokens else prompt_prefill_ms
-    return start + prefill_ms + transfer, transfer
+    return start + prompt_prefill_ms + transfer, transfer
 
 
 # ---- placement --------------------------------------------------------------------
@@ -291,7 +175,7 @@ def choose_placement(
         return None
     enc = 0.0 if loads.encoder is None else estimate_encode_ms(shape, loads.encoder, cost_model)
     local = remote = None
-    prompt_ms = cost_model.prefill_ms(shape.prompt_tokens)  # shared by every worker without a cached prefix
+    prompt_ms = cost_model.prefill_ms(shape.prompt_tokens)  # shared by every worker
     if local_capable:
         local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc, prompt_ms)
     if loads.prefill and (mode != COLOCATED or not local_capable):
@@ -336,11 +220,8 @@ def _best_local(
     """
     best: tuple[float, float, float, int] | None = None
     best_w, best_cost = None, 0.0
+    tokens = shape.prompt_tokens
     for w in workers:
-        cached = w.cached_prefix_tokens
-        tokens = shape.prompt_tokens - cached
-        if tokens < 1:
-            tokens = 1
         start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots <= 0 else 0.0)
         if encode_ms > start:
             start = encode_ms
@@ -355,7 +236,7 @@ def _best_local(
                 if n and c + step > itl_slo_ms:
                     interference += n * c
         else:
-            total = cm.prefill_ms(tokens) if cached else prompt_prefill_ms
+            total = prompt_prefill_ms
             gap = total + cm.decode_step_ms(n + 1) if n else 0.0
             interference = n * total if gap > itl_slo_ms else 0.0
         ttft, breached = start + total, n if gap > itl_slo_ms else 0
@@ -384,24 +265,18 @@ def _best_remote(
     """
     prefill, soonest = prefill_workers[0], math.inf
     for p in prefill_workers if len(prefill_workers) > 1 else ():  # one worker is the soonest
-        cached = p.cached_prefix_tokens
-        done = p.queue_wait_ms + (cm.prefill_ms(shape.prompt_tokens - cached) if cached else prompt_prefill_ms)
-        if done < soonest:
-            prefill, soonest = p, done
-    chunk = transfer_chunk_tokens
-    common = _remote_landed(shape, prefill, 0, link, cm, chunk, encode_ms, prompt_prefill_ms)
-    best_w, best_ttft, best_transfer = None, 0.0, 0.0
+        if p.queue_wait_ms < soonest:  # every one prefills the prompt in the same time
+            prefill, soonest = p, p.queue_wait_ms
+    landed, transfer = _remote_landed(shape, prefill, link, cm, transfer_chunk_tokens, encode_ms, prompt_prefill_ms)
+    best_w, best_ttft = None, 0.0
     for w in decode:
-        if w.cached_prefix_tokens:  # this worker already holds part of the KV: less to send
-            at, transfer = _remote_landed(shape, prefill, w.cached_prefix_tokens, link, cm, chunk, encode_ms, prompt_prefill_ms)
-        else:
-            at, transfer = common
+        at = landed
         if w.free_slots <= 0 and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)
         if best_w is None or _better(ttft, w, best_ttft, best_w):
-            best_w, best_ttft, best_transfer = w, ttft, transfer
-    return RemoteEstimate(prefill.address, best_w.address, best_ttft, best_transfer)  # type: ignore[union-attr]
+            best_w, best_ttft = w, ttft
+    return RemoteEstimate(prefill.address, best_w.address, best_ttft, transfer)  # type: ignore[union-attr]
 
 
 _TIE_MS = 1e-3  # estimates closer than this are a tie
@@ -455,15 +330,19 @@ def admit(
     ttft_deadline_ms: float,
     itl_slo_ms: float,
     *,
+    pressure: Pressure | None = None,
     transfer_chunk_tokens: int | None = None,
     local_chunk_tokens: int | None = None,
 ) -> Admission:
     """Place the request, or refuse it before any work is done (side-effect free).
 
-    Refusals: ``no_decode_workers``; ``no_decode_capacity`` (no decode worker has
-    the KV blocks it needs; retry after the soonest slot frees); ``ttft_deadline``
-    (the best placement's estimated TTFT exceeds the time left; retry after the
-    excess drains). ``retry_after_s`` is at least 1.
+    Refusals, in order: ``no_decode_workers``; ``no_decode_capacity`` (no decode worker
+    has the KV blocks it needs; retry after the soonest slot frees); ``ttft_deadline``
+    (the best placement's estimated TTFT exceeds the time left; retry after the excess
+    drains); ``pipeline_backlog`` (that estimate plus the ``pressure``'s backlog and
+    misprediction margin exceeds it; retry after both drain). The placement itself is
+    chosen without the pressure, which every placement would wait out alike.
+    ``retry_after_s`` is at least 1.
     """
     if not loads.decode:
         return Admission(False, None, "no_decode_workers", retry_after_s(0.0))
@@ -476,46 +355,9 @@ def admit(
     excess = decision.estimates["ttft_ms"] - ttft_deadline_ms
     if excess > 0:
         return Admission(False, None, "ttft_deadline", retry_after_s(excess))
-    return Admission(True, decision, decision.reason, 0)
-
-
-# ---- transfer failure -------------------------------------------------------------
-
-
-def on_transfer_failure(
-    remaining_ms: float,
-    reservation_held: bool,
-    attempts: int,
-    shape: RequestShape,
-    cost_model: CostModel,
-    other_decode_available: bool,
-    prefill_free: bool,
-    *,
-    max_attempts: int = 3,
-    link: LinkLoad | None = None,
-    prefill_wait_ms: float = 0.0,
-    decode_batch: int = 1,
-) -> FailureAction:
-    """What to do after transfer attempt number ``attempts`` failed, ``remaining_ms`` before the deadline.
-
-    In order: retry into the held reservation (costs a transfer, behind the link's
-    queue, plus a decode step); re-reserve on another decode worker and retry
-    (same cost); re-prefill (prefill + transfer + step, plus the prefill queue
-    unless a worker is free); otherwise fail. Bounded: after ``max_attempts``
-    transfer attempts the request fails. The caller releases what the action gives up.
-    """
-    if attempts < 1 or max_attempts < 1:
-        raise ValueError(f"attempts and max_attempts must be >= 1, got {attempts}, {max_attempts}")
-    if attempts >= max_attempts:
-        return FailureAction("fail", "attempts_exhausted", math.inf)
-    nbytes = cost_model.kv_bytes(shape.prompt_tokens)
-    transfer = cost_model.transfer_ms(nbytes, link_share(nbytes, link or LinkLoad()))
-    retry_cost = transfer + cost_model.decode_step_ms(decode_batch)
-    if reservation_held and retry_cost <= remaining_ms:
-        return FailureAction("retry", "reservation_held_retry_fits", retry_cost)
-    if other_decode_available and retry_cost <= remaining_ms:
-        return FailureAction("other_decode", "retry_on_other_decode_fits", retry_cost)
-    reprefill_cost = (0.0 if prefill_free else prefill_wait_ms) + cost_model.prefill_ms(shape.prompt_tokens) + retry_cost
-    if reprefill_cost <= remaining_ms:
-        return FailureAction("reprefill", "reprefill_fits", reprefill_cost)
-    return FailureAction("fail", "deadline_exhausted", math.inf)
+    if pressure is None:
+        return Admission(True, decision, decision.reason, 0)
+    backlog, overrun = pressure.backlog_ms(), pressure.overrun_ms
+    if excess + backlog + overrun > 0:
+        return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun)
+    return Admission(True, decision, decision.reason, 0, backlog, overrun)

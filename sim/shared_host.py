@@ -43,7 +43,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from runtime.policy.worker_stats import Role
+from sim.decode_worker import CHUNK, IDLE, PREFILL, STEPPING, DecodeWorker
 from sim.events import EventQueue
+from sim.server_pool import Hook, Server
 
 Done = Callable[[float, Any], None]
 BACKGROUND_PIECE_MS = 1.0  # mean size of a piece of other work (about a scheduler slice; 1-3 ms predict alike)
@@ -107,12 +110,6 @@ class HostCpu:
         self._reschedule(now)
         self._start_background(now)
 
-    def running(self) -> int:
-        return len(self._running)
-
-    def mean_stretch_ms(self) -> float:
-        return self.stretch_ms / self.pieces if self.pieces else 0.0
-
     def _advance(self, now: float) -> None:
         elapsed = now - self._last
         if elapsed > 0.0:
@@ -165,3 +162,82 @@ class HostCpu:
             done(now, arg)
         for _, done, arg in over:
             done(now, arg)
+
+
+class SharedServer(Server):
+    """A ``Server`` on a shared host (``HostCpu``): each job's service is work that
+    runs at the host's current speed, so it takes at least its idle time.
+
+    ``busy_ms`` sums work, not wall time; ``backlog_ms`` cannot see the host's slowdown,
+    so it is a lower bound here.
+    """
+
+    __slots__ = ("_cpu",)
+
+    def __init__(self, index: int, name: str, events: EventQueue, on_start: Hook, on_done: Hook, role: Role | None,
+                 cpu: HostCpu) -> None:
+        super().__init__(index, name, events, on_start, on_done, role)
+        self._cpu = cpu
+
+    def _start(self, req: Any, service_ms: float, now: float) -> None:
+        self.busy = True
+        self.busy_until = now + service_ms  # at idle speed: the real end depends on the host
+        self.busy_ms += service_ms
+        self._cpu.run(now, service_ms, self._done, req)
+        self._on_start(req, now, self)
+
+
+class SharedDecodeWorker(DecodeWorker):
+    """A ``DecodeWorker`` on a shared host (``HostCpu``): every step, whole local
+    prefill and chunk is a piece of work that runs at the host's speed.
+
+    ``step_extra_ms`` (the worker's untimed CPU per step: sampling, streaming the tokens) runs
+    as a piece of its own beside each step: the profiled step is a round trip timed on the
+    worker's event loop, so it already holds what that work does to the step's length; the
+    cores still have to do it.
+
+    One event per step (``per_step``). When a piece takes ``f`` times its idle time, what
+    it covers stretches by ``f``: a step's ``d`` (so every gap in it, first gaps and
+    breaches follow), a local prefill's stall, a chunk and the step fused with it.
+    """
+
+    __slots__ = ("_cpu", "_started", "_work", "step_extra_ms")
+
+    def __init__(self, *args: Any, cpu: HostCpu, step_extra_ms: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cpu = cpu
+        self.step_extra_ms = step_extra_ms
+        self._started = self._work = 0.0
+        self.per_step = True
+
+    def _schedule(self, t: float) -> None:
+        now = self._events.now
+        self.version += 1
+        self.next_t = t  # at idle speed; the host decides the real end
+        self._started, self._work = now, t - now
+        self._cpu.run(now, t - now, self._piece_done, self.version, group=self)
+        if self.step_extra_ms and self.running and self.mode != PREFILL:  # a step runs: its untimed work, beside it
+            self._cpu.run(now, self.step_extra_ms, ignore)
+
+    def _piece_done(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        taken = now - self._started
+        if taken > self._work > 0.0:
+            f = taken / self._work
+            if self.mode == STEPPING:
+                self.d = now - self.t0
+            elif self.mode == CHUNK:  # stall_extra holds the chunk's idle time
+                if self.running:
+                    self.t0 = self._started + self.stall_extra * f
+                    self.d *= f
+                self.stall_extra *= f
+            else:  # PREFILL: stall_extra holds the prefill's idle time; the residents wait through it
+                self.stall_extra *= f
+        self.next_t = now
+        DecodeWorker._on_event(self, now, version)
+
+    def wake(self, now: float) -> None:
+        """Start when idle; otherwise the running piece ends at a step boundary anyway (one step per event)."""
+        if self.mode == IDLE:
+            DecodeWorker.wake(self, now)

@@ -1,0 +1,108 @@
+"""What the policy reads: one request's shape and a snapshot of every stage's load.
+
+Built per decision by ``runtime.policy.worker_stats.stage_loads`` (the gateway and the
+simulator alike) or, in tests and the worked example, by hand. The dataclasses are plain
+(not frozen: construction is on every request's path) but are snapshots: the policy
+never changes or keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestShape:
+    """What placement needs to know about one request.
+
+    ``prompt_tokens`` counts every token prefill processes (image tokens included).
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    n_images: int = 0
+    n_images_cached: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.n_images_cached <= self.n_images:
+            raise ValueError(f"need 0 <= n_images_cached <= n_images, got {self.n_images_cached}/{self.n_images}")
+
+
+@dataclass(slots=True)
+class EncoderLoad:
+    """The encoder pool: wait until the least-loaded encoder could start."""
+
+    queue_wait_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class PrefillWorkerLoad:
+    address: str
+    queue_wait_ms: float = 0.0  # until this worker could start a new prompt
+
+
+@dataclass(slots=True)
+class DecodeWorkerLoad:
+    """One decode worker. ``running_seqs`` are the neighbours a local prefill would stall."""
+
+    address: str
+    running_seqs: int = 0
+    free_slots: int = 1  # batch slots neither running, reserved nor promised to queued requests
+    free_blocks: int | None = None  # free KV blocks; None: not reported (no block check)
+    block_size: int = 16  # tokens per KV block
+    queue_wait_ms: float = 0.0  # local prefill work already queued on this worker
+    slot_wait_ms: float = 0.0  # until a slot frees, when free_slots == 0
+    accepts_local_prefill: bool = True  # False: a pure decode worker (no colocated option)
+
+    def __post_init__(self) -> None:
+        if self.running_seqs < 0 or self.block_size < 1:
+            raise ValueError(f"bad decode load for {self.address}: running_seqs >= 0 and block_size >= 1")
+        if self.queue_wait_ms < 0 or self.slot_wait_ms < 0:
+            raise ValueError(f"negative wait in decode load for {self.address}")
+
+
+@dataclass(slots=True)
+class LinkLoad:
+    """The KV link. A new transfer waits for ``queued_bytes`` (FIFO, ahead of it) and
+    shares bandwidth with ``active_transfers`` that still have ``inflight_bytes`` to move."""
+
+    active_transfers: int = 0
+    inflight_bytes: float = 0.0
+    queued_bytes: float = 0.0
+
+
+@dataclass(slots=True)
+class StageLoads:
+    """Snapshot of every stage. ``encoder`` is None when no encoder reports (nothing to wait for)."""
+
+    decode: tuple[DecodeWorkerLoad, ...]
+    prefill: tuple[PrefillWorkerLoad, ...] = ()
+    link: LinkLoad = field(default_factory=LinkLoad)
+    encoder: EncoderLoad | None = None
+
+
+@dataclass(slots=True)
+class Pressure:
+    """The pipeline as seen from outside every worker (Little's law), for admission.
+
+    ``waiting``: requests admitted and still without a first token; ``first_token_rate_per_s``:
+    the rate first tokens come out (None: too few seen to trust); ``overrun_ms``: how much
+    later than estimated recent first tokens came (a high quantile, >= 0). The gateway keeps
+    this state (``gateway.pressure``), the simulator its own (``sim.pressure``); both pass it
+    in as data.
+    """
+
+    waiting: int = 0
+    first_token_rate_per_s: float | None = None
+    overrun_ms: float = 0.0
+
+    def backlog_ms(self) -> float:
+        """Expected queueing before a new request's first token: ``waiting / rate`` (0 without a rate)."""
+        rate = self.first_token_rate_per_s
+        if self.waiting <= 0 or not rate:
+            return 0.0
+        return 1000.0 * self.waiting / rate

@@ -1,0 +1,123 @@
+"""What workers report, and the one function that turns it into the policy's inputs.
+
+The gateway fills a ``StatsSnapshot`` from its registry (each worker's last ``WorkerStats``
+and its own count of requests on the worker); the simulator fills one from its simulated
+workers, field for field as a real worker would report them. Both hand it to
+``stage_loads``, so the same snapshot gives the same ``StageLoads`` and so the same
+decision. Every estimate made here uses only these fields and the cost model:
+
+- a queue of prompts (prefill, or a decode worker's colocated prompts): ``queued_prefill_ms``
+  of its queued tokens, the fixed cost once per queued request;
+- decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
+  when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
+  worker's own count, or the caller's where that is fresher (placed since the last poll);
+- slot wait, when none is free: the ``k``-th retirement among ``running`` sequences whose
+  remaining lengths are taken as spread evenly up to this request's ``max_tokens`` (the only
+  output length the policy knows): ``k x max_tokens / (running + 1)`` steps;
+- the KV link: the remote requests the caller has admitted that have no first token yet
+  (``kv_transfers``, ``kv_bytes``), all sharing the link with a new transfer;
+- the encoder pool: the least-loaded encoder's queue, one image's encode per entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from runtime.policy.cost_model import CostModel
+from runtime.policy.loads import (
+    DecodeWorkerLoad,
+    EncoderLoad,
+    LinkLoad,
+    PrefillWorkerLoad,
+    RequestShape,
+    StageLoads,
+)
+
+
+class Role(StrEnum):
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """One worker's stats as the policy reads them (``WorkerStats`` fields, same meaning)."""
+
+    role: Role
+    address: str
+    running_seqs: int = 0  # decode: sequences in the running batch
+    queue_depth: int = 0  # work accepted, not running: prompts (prefill), reservations not yet in the batch (decode)
+    queued_prefill_tokens: int = 0  # prompt tokens still to prefill there
+    free_blocks: int | None = None  # decode: free KV blocks (None: not reported, no block check)
+    total_blocks: int = 0
+    block_size: int = 16
+    max_batch: int = 0  # decode: the configured batch size (0: not reported)
+    in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
+
+    def __post_init__(self) -> None:
+        self.role = Role(self.role)
+        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight) < 0:
+            raise ValueError(f"negative count in the report of {self.address}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 in the report of {self.address}")
+
+
+@dataclass(slots=True)
+class StatsSnapshot:
+    """Every healthy worker's report at one moment, plus the caller's remote requests that
+    have no first token yet (their KV has still to cross the link)."""
+
+    workers: tuple[WorkerReport, ...]
+    kv_transfers: int = 0
+    kv_bytes: float = 0.0
+
+    def less_transfer(self, nbytes: float) -> StatsSnapshot:
+        """This snapshot without one of its transfers: a request pricing a retry of its own
+        failed transfer does not compete with itself."""
+        return StatsSnapshot(self.workers, max(0, self.kv_transfers - 1), max(0.0, self.kv_bytes - nbytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workers": [asdict(w) for w in self.workers], "kv_transfers": self.kv_transfers,
+                "kv_bytes": self.kv_bytes}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> StatsSnapshot:
+        return cls(tuple(WorkerReport(**w) for w in doc["workers"]), int(doc.get("kv_transfers", 0)),
+                   float(doc.get("kv_bytes", 0.0)))
+
+
+def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> StageLoads:
+    """The policy's inputs for ``shape`` from ``snapshot`` (see the module docstring)."""
+    decode: list[DecodeWorkerLoad] = []
+    prefill: list[PrefillWorkerLoad] = []
+    encoder_queue: int | None = None
+    for w in snapshot.workers:
+        pending = w.queue_depth if w.queue_depth > w.in_flight else w.in_flight
+        if w.role is Role.DECODE:
+            decode.append(decode_load(w, shape, cm))
+        elif w.role is Role.PREFILL:
+            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending)))
+        elif encoder_queue is None or pending < encoder_queue:
+            encoder_queue = pending
+    encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
+    link = LinkLoad(snapshot.kv_transfers, snapshot.kv_bytes) if snapshot.kv_transfers else LinkLoad()
+    return StageLoads(tuple(decode), tuple(prefill), link, encoder)
+
+
+def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWorkerLoad:
+    """One decode worker's load for ``shape``: neighbours, free slots, local queue and slot wait."""
+    slots = w.max_batch or cm.decode_slots
+    queued = w.running_seqs + w.queue_depth
+    claimed = queued if queued > w.in_flight else w.in_flight
+    running = w.running_seqs if w.running_seqs > w.in_flight - w.queue_depth else w.in_flight - w.queue_depth
+    free = slots - claimed
+    local_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, w.queue_depth) if w.queued_prefill_tokens else 0.0
+    slot_wait = 0.0
+    if free <= 0:  # the (claimed - slots + 1)-th retirement frees the slot this request needs
+        steps = (1 - free) * shape.max_tokens / (running + 1)
+        slot_wait = steps * cm.decode_step_ms(running)
+    return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
+                            slot_wait)

@@ -1,0 +1,44 @@
+"""The simulator's first-token pressure: what the gateway's ``FirstTokenPressure`` measures, in
+simulated time, handed to the admission policy as ``runtime.policy.loads.Pressure``.
+
+Kept only with admission on. Lifecycle per admitted request: ``admitted`` once, then ``left``
+once (at its first token, with how much later than predicted it came, or when it fails
+without one). The rate is the first tokens of the last ``window_ms`` over the part of the
+window that had any (none trusted below ``min_samples``, as in the gateway); the overrun is
+a quantile of their lateness, never negative. The gateway also remembers its peak rate,
+for closed-loop clients after an idle spell; simulated arrivals are open loop, so the
+window's rate is the one that holds here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from runtime.policy.loads import Pressure
+
+
+class SimPressure:
+    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts")
+
+    def __init__(self, window_ms: float = 5000.0, min_samples: int = 8, quantile: float = 0.95) -> None:
+        self.window_ms, self.min_samples, self.quantile = window_ms, min_samples, quantile
+        self.waiting = 0  # admitted, no first token yet
+        self._firsts: deque[tuple[float, float]] = deque()  # (time, lateness ms), oldest first
+
+    def admitted(self) -> None:
+        self.waiting += 1
+
+    def left(self, now: float, got_first_token: bool, overrun_ms: float = 0.0) -> None:
+        self.waiting -= 1
+        if got_first_token:
+            self._firsts.append((now, overrun_ms))
+
+    def inputs(self, now: float) -> Pressure:
+        firsts = self._firsts
+        while firsts and firsts[0][0] < now - self.window_ms:
+            firsts.popleft()
+        if len(firsts) < self.min_samples:
+            return Pressure(self.waiting)
+        rate = 1000.0 * len(firsts) / max(now - firsts[0][0], 1000.0)
+        late = sorted(v for _, v in firsts)[min(len(firsts) - 1, int(self.quantile * len(firsts)))]
+        return Pressure(self.waiting, rate, late if late > 0.0 else 0.0)

@@ -1,0 +1,220 @@
+"""One snapshot of worker stats, one policy: the gateway's admission and the simulator's decide alike.
+
+``tests/data/worker_stats.json`` holds real ``WorkerStats`` messages recorded from a running stack
+(``tests/data/record_worker_stats.py``: idle, and at the peak of a burst), with the gateway's own
+count of requests on each worker. Each is fed to the gateway's admission path (its registry's
+handles hold the messages) and to the simulator's placement step; both must give the same
+verdict, placement, workers, reason and estimates, for short and long prompts, with and without
+images, idle and loaded. The other way round, a simulator's snapshot taken mid-run, written as
+``WorkerStats``, gives the gateway the decision the simulator takes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from gateway.admission import GatewayAdmission, worker_report
+from gateway.settings import GatewaySettings
+from gateway.worker_registry import WorkerHandle, WorkerRegistry
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.policy.cost_model import CostModel
+from runtime.policy.loads import Pressure, RequestShape
+from runtime.policy.placement_policy import Admission
+from runtime.policy.worker_stats import Role, StatsSnapshot, WorkerReport, decode_load, stage_loads
+from sim.config import SimConfig
+from sim.distributions import parse_distribution
+from sim.request import SimRequest
+from sim.simulator import Simulator
+from sim.workload import RequestMix, Workload
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "worker_stats.json").read_text())
+SETTINGS = GatewaySettings.model_construct(**RECORDED["settings"])  # the recorded stack's gateway, no EPD_* read
+
+SHAPES = {
+    "short_text": RequestShape(30, 16),
+    "long_text": RequestShape(4000, 64),
+    "short_image": RequestShape(600, 16, n_images=1),
+    "long_images": RequestShape(5000, 64, n_images=2, n_images_cached=1),
+}
+BUDGETS = {"roomy": (5000.0, 1000.0), "tight_itl": (5000.0, 20.0), "tight_ttft": (120.0, 1000.0)}  # (TTFT left, ITL SLO)
+
+
+def registry(snapshot: dict) -> WorkerRegistry:
+    """A gateway registry whose healthy handles hold the recorded ``WorkerStats``."""
+    reg = WorkerRegistry({}, None)
+    for w in snapshot["workers"]:
+        stats = json_format.ParseDict(w["stats"], pb.WorkerStats())
+        reg.workers[w["role"]][w["address"]] = WorkerHandle(w["role"], w["address"], None, None, healthy=True,
+                                                            stats=stats, inflight=w["inflight"])
+    return reg
+
+
+def gateway(snapshot: dict, pressure_waiting: int = 0) -> GatewayAdmission:
+    admission = GatewayAdmission(SETTINGS)
+    admission.kv_transfers, admission.kv_bytes = snapshot["kv_transfers"], snapshot["kv_bytes"]
+    if pressure_waiting:  # ten first tokens in the window, then a queue of requests still waiting
+        for _ in range(10):
+            admission.pressure.admitted()
+            admission.pressure.left(got_first_token=True, overrun_ms=40.0)
+        for _ in range(pressure_waiting):
+            admission.pressure.admitted()
+    return admission
+
+
+def simulator(cm: CostModel, itl_slo_ms: float, **config: object) -> Simulator:
+    """The simulator set up as the recorded gateway runs (one chunk size for KV and colocated prompts)."""
+    chunk = SETTINGS.prefill_chunk_tokens
+    return Simulator(SimConfig(placement=SETTINGS.placement, transfer="chunked", chunk_tokens=chunk, chunked_prefill=True,
+                               local_chunk_tokens=chunk, itl_slo_ms=itl_slo_ms, admission=True, **config),  # type: ignore[arg-type]
+                     cost_model=cm)
+
+
+def outcome(verdict: Admission) -> tuple:
+    d = verdict.decision
+    placed = None if d is None else (d.placement, d.decode_worker, d.prefill_worker, d.estimates)
+    return verdict.ok, verdict.reason, verdict.retry_after_s, placed
+
+
+CASES = [(snap, shape, budget, waiting) for snap in RECORDED["snapshots"] for shape in SHAPES for budget in BUDGETS
+         for waiting in (0, 23)]
+
+
+@pytest.mark.parametrize("snap, shape, budget, waiting", CASES)
+def test_a_recorded_snapshot_gets_one_decision_from_the_gateway_and_the_simulator(snap, shape, budget, waiting) -> None:
+    recorded, request, (left_ms, itl_ms) = RECORDED["snapshots"][snap], SHAPES[shape], BUDGETS[budget]
+    reg, gw = registry(recorded), gateway(recorded, waiting)
+    by_gateway = gw.admit(request, reg, left_ms, itl_ms)
+    sim = simulator(gw.cost_model, itl_ms)
+    by_simulator = sim.decide(request, gw.snapshot(reg), left_ms, gw.pressure.inputs())
+    assert outcome(by_simulator) == outcome(by_gateway)
+
+
+def test_the_recorded_cases_cover_every_kind_of_decision() -> None:
+    seen = set()
+    for snap, shape, budget, waiting in CASES:
+        recorded = RECORDED["snapshots"][snap]
+        verdict = gateway(recorded, waiting).admit(SHAPES[shape], registry(recorded), *BUDGETS[budget])
+        seen.add((verdict.decision.placement if verdict.ok else "refused", verdict.reason))  # type: ignore[union-attr]
+    assert {p for p, _ in seen} == {"colocated", "disaggregated", "refused"}
+    assert {"short_prompt_low_load", "long_prompt_busy_decoders", "ttft_deadline", "pipeline_backlog"} <= {r for _, r in seen}
+
+
+def test_the_gateway_reads_the_recorded_stats_as_the_policys_record() -> None:
+    loaded = RECORDED["snapshots"]["loaded"]
+    snap = gateway(loaded).snapshot(registry(loaded))
+    (decode,) = [w for w in snap.workers if w.role is Role.DECODE]
+    stats = next(w for w in loaded["workers"] if w["role"] == "decode")
+    assert (decode.running_seqs, decode.queue_depth, decode.in_flight) == (
+        stats["stats"]["running_seqs"], stats["stats"]["queue_depth"], stats["inflight"])
+    assert decode.max_batch == stats["stats"]["max_batch_configured"] == 64  # the configured batch, not the observed
+    assert {w.role for w in snap.workers} == {Role.ENCODER, Role.PREFILL, Role.DECODE}
+    assert StatsSnapshot.from_dict(json.loads(json.dumps(snap.to_dict()))) == snap
+
+
+def to_worker_stats(report: WorkerReport) -> pb.WorkerStats:
+    """A simulated worker's report as the real worker would send it."""
+    return pb.WorkerStats(role=str(report.role), address=report.address, serving=True, running_seqs=report.running_seqs,
+                          queue_depth=report.queue_depth, queued_prefill_tokens=report.queued_prefill_tokens,
+                          free_blocks=report.free_blocks or 0, total_blocks=report.total_blocks,
+                          block_size=report.block_size, max_batch_configured=report.max_batch)
+
+
+def test_a_simulated_snapshot_sent_as_worker_stats_gets_the_simulators_decision() -> None:
+    cm = CostModel()  # the chapter's numbers: the conditional split matters here
+    sim = simulator(cm, 150.0, prefill_workers=2, decode_workers=2, decode_kv_tokens=400_000, ttft_slo_ms=3000.0)
+    checked, kinds = [0], set()
+    admit_next = sim._admit
+
+    def check(req: SimRequest, now: float) -> None:
+        snap = sim.snapshot(now)
+        reg = WorkerRegistry({}, None)
+        for r in snap.workers:
+            reg.workers[str(r.role)][r.address] = WorkerHandle(str(r.role), r.address, None, None, healthy=True,
+                                                               stats=to_worker_stats(r), inflight=r.in_flight)
+        gw = GatewayAdmission(SETTINGS.model_copy(update={"placement": "conditional"}))
+        gw.cost_model, gw.kv_transfers, gw.kv_bytes = cm, snap.kv_transfers, snap.kv_bytes
+        pressure = sim.pressure.inputs(now)  # type: ignore[union-attr]
+        gw.pressure.inputs = lambda: pressure  # type: ignore[method-assign]  # the simulator's, as data
+        by_gateway = gw.admit(req.shape, reg, req.deadline - now, 150.0)
+        assert outcome(sim.decide(req.shape, snap, req.deadline - now, pressure)) == outcome(by_gateway)
+        kinds.add(by_gateway.decision.placement if by_gateway.ok else by_gateway.reason)  # type: ignore[union-attr]
+        checked[0] += 1
+        admit_next(req, now)
+
+    sim._admit = check  # type: ignore[method-assign]
+    mix = RequestMix(parse_distribution("mix:300@0.6,6000@0.4"), parse_distribution("uniform:20:200"))
+    sim.run(Workload(mix, rate=6.0, requests=300, seed=4))
+    assert checked[0] == 300 and {"colocated", "disaggregated"} <= kinds
+
+
+# ---- the estimates stage_loads makes from the reports --------------------------------------
+
+
+CM = CostModel()
+
+
+def test_decode_slots_come_from_the_configured_batch_and_the_fresher_count() -> None:
+    shape = RequestShape(100, 40)
+    w = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=2, max_batch=10, in_flight=3)
+    load = decode_load(w, shape, CM)
+    assert (load.running_seqs, load.free_slots, load.slot_wait_ms) == (6, 2, 0.0)
+    stale = WorkerReport(Role.DECODE, "d", running_seqs=0, queue_depth=0, max_batch=10, in_flight=7)  # placed since the poll
+    assert (decode_load(stale, shape, CM).running_seqs, decode_load(stale, shape, CM).free_slots) == (7, 3)
+    unknown = WorkerReport(Role.DECODE, "d", running_seqs=1)
+    assert decode_load(unknown, shape, CM).free_slots == CM.decode_slots - 1  # no configured batch reported
+    full = WorkerReport(Role.DECODE, "d", running_seqs=9, queue_depth=2, max_batch=10)
+    # two more than the slots: the 2nd of 9 retirements spread over 40 tokens, 2 x 40 / 10 steps of the batch's step
+    assert decode_load(full, shape, CM).slot_wait_ms == pytest.approx(2 * 40 / 10 * CM.decode_step_ms(9))
+
+
+def test_queues_charge_the_fixed_prefill_cost_once_per_request() -> None:
+    cm = CostModel(CM.service_times().replace(prefill_ms_per_token2=1e-5))
+    loads = stage_loads(StatsSnapshot((WorkerReport(Role.PREFILL, "p", queue_depth=4, queued_prefill_tokens=4000),)),
+                        RequestShape(10, 1), cm)
+    assert loads.prefill[0].queue_wait_ms == pytest.approx(4 * cm.prefill_ms(1000))  # not prefill_ms(4000)
+    assert cm.queued_prefill_ms(0, 3) == 0.0
+
+
+def test_link_and_encoder_loads_from_the_snapshot() -> None:
+    workers = (WorkerReport(Role.ENCODER, "e0", queue_depth=3), WorkerReport(Role.ENCODER, "e1", queue_depth=1),
+               WorkerReport(Role.DECODE, "d"))
+    loads = stage_loads(StatsSnapshot(workers, kv_transfers=2, kv_bytes=5e6), RequestShape(10, 1), CM)
+    assert loads.encoder is not None and loads.encoder.queue_wait_ms == pytest.approx(CM.encode_ms(1))  # the shorter queue
+    assert (loads.link.active_transfers, loads.link.inflight_bytes, loads.link.queued_bytes) == (2, 5e6, 0.0)
+    assert stage_loads(StatsSnapshot((WorkerReport(Role.DECODE, "d"),)), RequestShape(10, 1), CM).encoder is None
+    alone = StatsSnapshot(workers, kv_transfers=1, kv_bytes=5e6).less_transfer(5e6)
+    assert (alone.kv_transfers, alone.kv_bytes) == (0, 0.0)
+    with pytest.raises(ValueError):
+        WorkerReport(Role.DECODE, "d", running_seqs=-1)
+
+
+def test_simulated_workers_report_as_real_ones_count() -> None:
+    sim = simulator(CM, 150.0, decode_workers=1, prefill_workers=1, decode_kv_tokens=100_000)
+    (decode,) = sim.decode
+    assert decode.report().max_batch == CM.decode_slots and decode.report().free_blocks == 100_000
+    req = SimRequest(0, (0.0, 600, 10, 0, 0), 600.0)
+    req.worker = decode
+    req.prefill_ms, req.local_chunks = 10.0, [5.0, 5.0, 5.0]
+    decode.claim_local(req)
+    r = decode.report()
+    assert (r.running_seqs, r.queue_depth, r.in_flight, r.queued_prefill_tokens) == (0, 1, 1, 600)
+    (prefill,) = sim.prefill.servers
+    for rid, tokens in ((1, 300), (2, 200)):
+        queued = SimRequest(rid, (0.0, tokens, 5, 0, 0), 600.0)
+        queued.worker = decode
+        prefill.submit(queued, 100.0, 0.0, tokens)
+    p = prefill.report(50.0)  # half-way through the first: 150 of its tokens left, and the whole second
+    assert (p.queue_depth, p.in_flight, p.queued_prefill_tokens) == (2, 2, 350)
+
+
+def test_the_gateways_report_reads_the_configured_batch_field() -> None:
+    stats = pb.WorkerStats(role="decode", running_seqs=3, max_batch=17, max_batch_configured=64, free_blocks=9,
+                           block_size=0)
+    report = worker_report("decode", "d:1", stats, in_flight=2)
+    assert (report.max_batch, report.free_blocks, report.block_size, report.in_flight) == (64, 9, 1, 2)
+    assert worker_report("prefill", "p:1", pb.WorkerStats(role="prefill", free_blocks=5), 0).free_blocks is None
+    assert Pressure(3, 2.0).backlog_ms() == pytest.approx(1500.0)
