@@ -56,9 +56,10 @@ class Batch:
         gen = torch.Generator().manual_seed(batch)
         self.seqs = []
         for i in range(batch):
-            blocks = self.pool.allocate(per_seq)
+            owner = self.pool.new_token()
+            blocks = self.pool.allocate(per_seq, owner)
             kv = torch.randn((layout.layers, 2, context, layout.kv_heads, layout.head_dim), generator=gen)
-            self.pool.write(blocks, 0, kv.to(layout.dtype))
+            self.pool.write(blocks, 0, kv.to(layout.dtype), owner=owner)
             self.seqs.append(DecodeInput(token_id=5 + i % 7, position=context, blocks=blocks, sampling=SamplingParams()))
         self.times: list[float] = []
 

@@ -195,9 +195,10 @@ def breakdown(kv, msgs, layout, block_size: int = 16, reps: int = 3) -> dict[str
     timed("receiver: torch.frombuffer + view (no copy)", frombuffer)
     views = frombuffer()
     pool = KVBlockPool(layout, -(-n_tokens // block_size) + 1, block_size)
-    blocks = pool.allocate(n_tokens)
+    owner = pool.new_token()
+    blocks = pool.allocate(n_tokens, owner)
     timed("receiver: pool.write (slots() + indexed copy)",
-          lambda: [pool.write(blocks, m.token_start, v) for m, v in zip(parsed, views)])
+          lambda: [pool.write(blocks, m.token_start, v, owner=owner) for m, v in zip(parsed, views)])
     timed("  of which slots() index construction",
           lambda: [pool.slots(blocks, m.token_start, m.token_end) for m in parsed])
     flat = pool._flat

@@ -281,3 +281,42 @@ def test_claims_idle_from_probes() -> None:
     assert c["idle_conditional_best_or_close"]
     late = placement_summary.claims({}, probes={**probes, "conditional": {"reply_ms": 190.0}})
     assert not late["idle_conditional_best_or_close"]
+
+
+# ------------------------------------------------------------------ in-process benchmarks: they still run
+
+
+def test_kv_handoff_frames_chunks_and_times_the_receiver_stages() -> None:
+    """Framing and the in-process stage breakdown of ``bench.kv_handoff`` on a tiny transfer
+    (the pool's write API is the product's, owner token included)."""
+    import torch
+
+    from bench import kv_handoff
+    from runtime.model.kv_pool import KVLayout
+
+    layout = KVLayout(2, 2, 8, torch.float32)
+    kv = torch.randn((layout.layers, 2, 40, layout.kv_heads, layout.head_dim))
+    msgs, checksum_s, frame_s = kv_handoff.frame_chunks(kv, 16, layout, "fp")
+    assert [(m.token_start, m.token_end) for m in msgs] == [(0, 16), (16, 32), (32, 40)]
+    assert msgs[-1].last and msgs[-1].total_chunks == 3 and msgs[-1].model_fingerprint == "fp"
+    assert checksum_s >= 0 and frame_s >= 0
+    stages = kv_handoff.breakdown(kv, msgs, layout, reps=1)
+    assert "receiver: pool.write (slots() + indexed copy)" in stages
+    assert all(v >= 0 for v in stages.values())
+
+
+def test_decode_throughput_steps_a_batch_on_the_demo_model() -> None:
+    import torch
+
+    from bench.decode_throughput import Batch
+    from runtime.model.model_adapter import VLMAdapter
+
+    torch.set_grad_enabled(False)
+    adapter = VLMAdapter.load(Path(__file__).resolve().parents[1] / "models" / "demo-vlm")
+    batch = Batch(adapter, 2, context=8, max_steps=3, block_size=16)
+    batch.step(timed=False)
+    batch.step()
+    batch.step()
+    row = batch.result()
+    assert (row["batch"], row["context"], row["steps"]) == (2, 8, 2)
+    assert [s.position for s in batch.seqs] == [11, 11]
