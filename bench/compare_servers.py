@@ -43,7 +43,7 @@ from typing import Any
 
 from bench.compare_report import cache_rows, check_targets, print_model, ratio_rows
 from bench.harness.host import host_info
-from bench.harness.report import fmt, ratio, results_header, settings_json, write_json
+from bench.harness.report import fmt, ratio, finish_results, results_header, settings_json
 from bench.harness.runs import Run, cpu_per_request, error_samples, pooled, run_load, same_text
 from bench.harness.scrape import counter_delta, scrape_counters
 from bench.harness.servers import RESULTS, ROOT, StartError, epd_serve, free_port, transformers_serve, wait_http
@@ -252,11 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for result in results:
         print_model(result)
-    host_end = host_info().get("load_avg")
-    payload = {**header, "wall_s": time.monotonic() - t0, "host": {**host, "load_avg_end": host_end},
-               "settings": settings_json(vars(args)), "results": results}
+    payload = {**header, "wall_s": time.monotonic() - t0, "host": host, "settings": settings_json(vars(args)),
+               "results": results}
     path = args.out / f"{stem(args)}{'-cache' if args.cache_only else ''}.json"
-    write_json(path, payload)
+    finish_results(path, payload)
     print(f"\nwritten: {path} ({time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.harness.host import host_basics
-from bench.harness.report import results_header, write_json
+from bench.harness.report import finish_results, results_header
 from bench.harness.paths import RESULTS
 
 
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tokens/s relative to batch 1 (all steps | median step | best step): " + ", ".join(
             f"batch {r['batch']} {r['speedup_vs_batch1']:.1f}x | {r['speedup_vs_batch1_median_step']:.1f}x | "
             f"{r['speedup_vs_batch1_best_step']:.1f}x" for r in results["runs"]))
-    results["host"]["load_avg_end"] = os.getloadavg()
-    write_json(args.out, results, indent=2, allow_nan=True)
+    finish_results(args.out, results, indent=2, allow_nan=True)
     print(f"written {args.out}")
     return 0
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import warnings
 from pathlib import Path
 
 from bench.harness.host import host_basics
-from bench.harness.report import results_header, write_json
+from bench.harness.report import finish_results, results_header
 from bench.harness.servers import RESULTS, ROOT, Process, bench_process, free_port, wait_grpc, worker_cmd
 from bench.kv_handoff_baselines import (
     MiB,
@@ -327,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_grpc_side(address, args, results, sock_port, f"127.0.0.1:{raw_port}"))
     finally:
         stop_group([decode, *helpers])
-    results["host"]["load_avg_end"] = os.getloadavg()
-    write_json(args.out, results, indent=2, allow_nan=True)
+    finish_results(args.out, results, indent=2, allow_nan=True)
     print(f"\nwritten {args.out}")
     return 0
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.host import host_info
-from bench.harness.report import fmt, markdown_table, results_header, settings_json, write_json
+from bench.harness.report import fmt, finish_results, markdown_table, results_header, settings_json
 from bench.harness.servers import RESULTS, StartError
 from bench.placement_load import SCENARIOS, probe_breakdown, run_scenario, warm_up
 from bench.placement_stack import PLACEMENTS, start_stack
@@ -178,12 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n## TTFT breakdown, one short chat at a time (mean ms; x-epd-ttft-breakdown)\n")
         print(markdown_table(["placement", *PROBE_KEYS], probe_rows(probes)))
     print("\nclaims:", json.dumps(checked, indent=1))
-    payload = {**header, "wall_s": time.monotonic() - t0, "host": {**host, "load_avg_end": host_info().get("load_avg")},
-               "settings": settings_json(vars(args)),
+    payload = {**header, "wall_s": time.monotonic() - t0, "host": host, "settings": settings_json(vars(args)),
                "results": results, "claims": checked, "probe_breakdown": probes,
                "tables": {s: scenario_rows(results[s]) for s in args.scenario_list}}
     path = args.out / f"{stem(args)}.json"
-    write_json(path, payload)
+    finish_results(path, payload)
     print(f"\nwritten: {path} ({time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -49,3 +50,9 @@ def write_json(path: Path, payload: Any, indent: int = 1, allow_nan: bool = Fals
     """The results file (its folder made when missing), with a final newline."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent, allow_nan=allow_nan) + "\n")
+
+
+def finish_results(path: Path, payload: dict[str, Any], indent: int = 1, allow_nan: bool = False) -> None:
+    """Stamp the host's load average at the end (``payload["host"]["load_avg_end"]``) and write the file."""
+    payload["host"]["load_avg_end"] = list(os.getloadavg())
+    write_json(path, payload, indent, allow_nan)
