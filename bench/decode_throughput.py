@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from bench.harness.host import host_basics
-from bench.harness.report import finish_results, results_header
 from bench.harness.paths import RESULTS
+from bench.harness.report import finish_results, results_header
 
 
 def model_size(adapter) -> dict:

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare_report, compare_servers, placement_comparison, placement_load, placement_stack
-from bench import placement_summary
+from bench import (
+    compare_report,
+    compare_servers,
+    placement_comparison,
+    placement_load,
+    placement_stack,
+    placement_summary,
+)
 from bench.harness import report, runs, scrape, servers
 from bench.plot import plot_series_cdfs
 from bench.record import RequestRecord
