@@ -28,424 +28,29 @@ the two servers instead of correctness.
 
 Results: printed, written to ``bench/results/compare_servers.json`` and one PNG of
 TTFT / ITL CDFs per model (``compare_servers-<model>.png``) plus the cache run's
-(``compare_servers-cache.png``). Process helpers here are reused by
-``bench/placement_comparison.py``.
+(``compare_servers-cache.png``). The servers, runs and tables come from ``bench.harness``
+and ``bench.compare_report``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import ctypes
-import json
-import math
-import os
-import platform
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+from bench.compare_report import cache_rows, check_targets, print_model, ratio_rows
+from bench.harness.host import host_info
+from bench.harness.report import fmt, ratio, finish_results, results_header, settings_json
+from bench.harness.runs import Run, cpu_per_request, error_samples, pooled, run_load, same_text
+from bench.harness.scrape import counter_delta, scrape_counters
+from bench.harness.servers import RESULTS, ROOT, StartError, epd_serve, free_port, transformers_serve, wait_http
+from bench.plot import plot_series_cdfs
+from launcher.processes import stop_group
 
-from bench.loadgen import BenchConfig, arun_bench
-from bench.metrics import summarize
-from bench.record import RequestRecord
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 DEFAULT_MODELS = {"demo": ROOT / "models" / "demo-vlm", "bench": Path("/tmp/epd-bench-vlm")}
-TARGET_THROUGHPUT_RATIO = 2.0
-TARGET_TTFT_P50_RATIO = 0.5
-
-# ---------------------------------------------------------------- processes
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _bind_to_parent() -> None:
-    """Children get SIGTERM when this script dies (Linux), so none is orphaned."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class Proc:
-    """One child process with its log file; stopped by its own pid only."""
-
-    name: str
-    cmd: list[str]
-    log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> "Proc":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                                     preexec_fn=_bind_to_parent)
-        log.close()
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """User+system CPU seconds used so far by this process and its children, by role.
-
-        The role of an ``epd`` child is its subcommand (encoder, prefill, decode,
-        gateway); anything else counts under this process's name. Processes that
-        exited are not counted, so take differences over a run the servers survive.
-        """
-        import psutil
-
-        out: dict[str, float] = {}
-        if not self.alive():
-            return out
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return out
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-                cmd = proc.cmdline()
-            except psutil.Error:
-                continue
-            role = next((c for c in cmd if c in ("encoder", "prefill", "decode", "gateway")), self.name)
-            out[role] = out.get(role, 0.0) + t.user + t.system
-        return out
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        if not self.alive():
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class StartError(RuntimeError):
-    pass
-
-
-def wait_http(url: str, procs: Sequence[Proc], timeout_s: float = 300.0) -> None:
-    """Poll ``url`` until it answers 200; fail early when one of ``procs`` exits."""
-    end = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False, timeout=2.0) as client:
-        while True:
-            for p in procs:
-                if not p.alive():
-                    raise StartError(f"{p.name} exited with {p.proc.returncode if p.proc else '?'}:\n{p.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url).status_code == 200:
-                    return
-            if time.monotonic() > end:
-                raise StartError(f"{url} not healthy after {timeout_s:.0f} s")
-            time.sleep(0.3)
-
-
-def venv_tool(name: str) -> str:
-    """A console script next to this interpreter (``.venv/bin/transformers``)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def transformers_serve(model: Path, port: int, logs: Path, threads: int | None = None) -> Proc:
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    else:
-        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # torch's default, explicit against an inherited value
-    cmd = [venv_tool("transformers"), "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--log-level", "warning", str(model.resolve())]
-    return Proc("transformers serve", cmd, logs / f"transformers-serve-{port}.log", env)
-
-
-def epd_serve(model: Path, port: int, logs: Path, name: str, extra: Sequence[str] = ()) -> Proc:
-    cmd = [sys.executable, "-m", "launcher.cli", "serve", "--model", str(model.resolve()), "--port", str(port),
-           "--served-model-name", name, *extra]
-    return Proc("epd serve", cmd, logs / f"epd-serve-{port}.log")
-
-
-# ---------------------------------------------------------------- load
-
-
-@dataclass
-class Run:
-    """One load run against one server: the loadgen report and its records."""
-
-    server: str
-    report: dict[str, Any]
-    records: list[RequestRecord]
-    cpu_s: dict[str, float] = field(default_factory=dict)  # server CPU seconds over the run, by role
-    client_cpu_s: float = 0.0  # this process (the load generator) over the run
-
-
-def run_load(base: str, model_name: str, proc: Proc | None = None, **config: Any) -> Run:
-    """One loadgen run; with ``proc``, also the server's CPU seconds spent during it."""
-    cfg = BenchConfig(base=base, model=model_name, progress=False, **config)
-    before = proc.cpu_seconds() if proc else {}
-    client0 = time.process_time()
-    report, records = asyncio.run(arun_bench(cfg))
-    client = time.process_time() - client0
-    after = proc.cpu_seconds() if proc else {}
-    cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-    return Run(base, report, records, cpu, client)
-
-
-def cpu_per_request(runs: Sequence[Run]) -> dict[str, float]:
-    """Server CPU milliseconds per ok request, by role and ``total``, over runs."""
-    ok = sum(run.report["ok"] for run in runs)
-    totals: dict[str, float] = {}
-    for run in runs:
-        for role, sec in run.cpu_s.items():
-            totals[role] = totals.get(role, 0.0) + sec
-    if not ok or not totals:
-        return {}
-    out = {role: sec * 1e3 / ok for role, sec in sorted(totals.items())}
-    out["total"] = sum(totals.values()) * 1e3 / ok
-    out["load_generator"] = sum(run.client_cpu_s for run in runs) * 1e3 / ok
-    return out
-
-
-def pooled(runs: Sequence[Run], ttft_slo_ms: float | None = None, itl_slo_ms: float | None = None,
-           check_answers: bool = True) -> dict[str, Any]:
-    """One report over several runs: every record, durations added (runs were back to back)."""
-    records = [r for run in runs for r in run.records]
-    duration = sum(run.report["duration_s"] for run in runs)
-    return summarize(records, duration, ttft_slo_ms, itl_slo_ms, check_answers)
-
-
-def same_text(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -> tuple[int, int]:
-    """Requests (matched by index) that both servers answered, and how many got identical text."""
-    by_index = {r.index: r for r in b if r.ok}
-    both = [(r, by_index[r.index]) for r in a if r.ok and r.index in by_index]
-    return sum(x.text == y.text for x, y in both), len(both)
-
-
-def error_samples(records: Iterable[RequestRecord], limit: int = 5) -> list[str]:
-    """The first few distinct failure messages (status: error body), for the report."""
-    seen: list[str] = []
-    for r in records:
-        if not r.ok:
-            text = f"{r.status}: {(r.error or '')[:300]}"
-            if text not in seen:
-                seen.append(text)
-            if len(seen) >= limit:
-                break
-    return seen
-
-
-def scrape_counters(base: str, prefix: str = "epd:") -> dict[str, float]:
-    """Counters/gauges of a Prometheus ``/metrics`` page whose name starts with ``prefix``:
-    ``'name{labels}' -> value`` (empty when the page cannot be read)."""
-    try:
-        with httpx.Client(trust_env=False, timeout=5.0) as client:
-            text = client.get(f"{base}/metrics").text
-    except httpx.HTTPError:
-        return {}
-    return parse_prometheus(text, prefix)
-
-
-def parse_prometheus(text: str, prefix: str = "epd:") -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        name, _, value = line.rpartition(" ")
-        with contextlib.suppress(ValueError):
-            out[name] = float(value)
-    return out
-
-
-def counter_delta(before: Mapping[str, float], after: Mapping[str, float], prefix: str) -> dict[str, float]:
-    """``after - before`` for the series whose name starts with ``prefix`` (non-zero ones only)."""
-    keys = {k for k in after if k.startswith(prefix)}
-    return {k: after[k] - before.get(k, 0.0) for k in sorted(keys) if after[k] - before.get(k, 0.0)}
-
-
-# ---------------------------------------------------------------- tables
-
-# (label, report key, better): "higher" or "lower"
-RATIO_ROWS: tuple[tuple[str, str, str], ...] = (
-    ("requests/s", "req_per_s", "higher"),
-    ("output tokens/s", "output_tok_per_s", "higher"),
-    ("TTFT p50 (ms)", "ttft_ms_p50", "lower"),
-    ("TTFT p90 (ms)", "ttft_ms_p90", "lower"),
-    ("TTFT p99 (ms)", "ttft_ms_p99", "lower"),
-    ("ITL p50 (ms)", "itl_ms_p50", "lower"),
-    ("ITL p99 (ms)", "itl_ms_p99", "lower"),
-    ("E2E p50 (ms)", "e2e_ms_p50", "lower"),
-    ("E2E p99 (ms)", "e2e_ms_p99", "lower"),
-)
-
-
-def ratio(new: float | None, old: float | None) -> float | None:
-    if new is None or old is None or old == 0:
-        return None
-    return new / old
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        return f"{value:.{digits}f}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
-def ratio_rows(base: Mapping[str, Any], epd: Mapping[str, Any]) -> list[list[str]]:
-    """Rows ``metric | transformers | epd | epd/transformers`` (+ ok and answers rows)."""
-    rows = [[label, fmt(base.get(key)), fmt(epd.get(key)), fmt(ratio(epd.get(key), base.get(key)))]
-            for label, key, _ in RATIO_ROWS]
-    b_cpu = (base.get("server_cpu_ms_per_request") or {}).get("total")
-    e_cpu = (epd.get("server_cpu_ms_per_request") or {}).get("total")
-    if b_cpu is not None or e_cpu is not None:
-        rows.append(["server CPU ms / request", fmt(b_cpu), fmt(e_cpu), fmt(ratio(e_cpu, b_cpu))])
-    rows.append(["ok / requests", f"{base['ok']}/{base['requests']}", f"{epd['ok']}/{epd['requests']}", ""])
-    if base.get("answers_checked") or epd.get("answers_checked"):
-        rows.append(["answers correct", f"{base['answers_correct']}/{base['answers_checked']}",
-                     f"{epd['answers_correct']}/{epd['answers_checked']}", ""])
-    return rows
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-
-
-def check_targets(base: Mapping[str, Any], epd: Mapping[str, Any],
-                  identical: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The issue's targets (demo model): epd throughput >= 2x, TTFT p50 <= 0.5x, every answer correct.
-
-    ``identical`` (``{"same", "compared"}``) adds whether every epd reply equals transformers'
-    (the model's own ``generate()``): a wrong answer both give is the model's, not the server's.
-    """
-    tput = ratio(epd.get("req_per_s"), base.get("req_per_s"))
-    ttft = ratio(epd.get("ttft_ms_p50"), base.get("ttft_ms_p50"))
-    all_correct = epd["ok"] == epd["requests"] and epd["answers_checked"] == epd["ok"] == epd["answers_correct"]
-    checks = {
-        "throughput_ratio": tput,
-        "throughput_ok": tput is not None and tput >= TARGET_THROUGHPUT_RATIO,
-        "ttft_p50_ratio": ttft,
-        "ttft_p50_ok": ttft is not None and ttft <= TARGET_TTFT_P50_RATIO,
-        "epd_all_correct": all_correct,
-    }
-    checks["all_met"] = checks["throughput_ok"] and checks["ttft_p50_ok"] and all_correct
-    if identical is not None:
-        checks["epd_matches_transformers"] = identical["compared"] > 0 and identical["same"] == identical["compared"]
-    return checks
-
-
-def cache_rows(distinct: Mapping[str, Any], repeated: Mapping[str, Any]) -> list[list[str]]:
-    """Rows ``metric | distinct images | repeated images | repeated/distinct`` for the cache run."""
-    keys = (("TTFT p50 (ms)", "ttft_ms_p50"), ("TTFT p90 (ms)", "ttft_ms_p90"), ("mean TTFT (ms)", "mean_ttft_ms"),
-            ("E2E p50 (ms)", "e2e_ms_p50"), ("requests/s", "req_per_s"))
-    rows = [[label, fmt(distinct.get(k)), fmt(repeated.get(k)), fmt(ratio(repeated.get(k), distinct.get(k)))]
-            for label, k in keys]
-    dh, rh = distinct.get("cache_checks", {}), repeated.get("cache_checks", {})
-    if dh or rh:
-        rows.append(["images found cached / checked (gateway)", f"{dh.get('hit', 0):.0f}/{dh.get('checked', 0):.0f}",
-                     f"{rh.get('hit', 0):.0f}/{rh.get('checked', 0):.0f}", ""])
-    return rows
-
-
-# ---------------------------------------------------------------- plots
-
-
-def plot_cdfs(series: Mapping[str, Sequence[RequestRecord]], path: Path, title: str) -> None:
-    """Three panels, one line per labelled series (small PNG): the empirical CDFs of TTFT and
-    ITL, and the ITL tail (fraction of gaps above x, log-log), where a stall shows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-    import numpy as np
-
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for i, (label, records) in enumerate(series.items()):
-        color = f"C{i}"
-        ok = [r for r in records if r.ok]
-        ttft = np.sort([r.ttft_s * 1e3 for r in ok if r.ttft_s is not None])
-        itl = np.sort([g * 1e3 for r in ok for g in r.itl_s])
-        for ax, xs in ((axes[0], ttft), (axes[1], itl)):
-            if len(xs):
-                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", color=color,
-                        label=f"{label} (n={len(xs)})")
-        if len(itl):
-            axes[2].step(itl, (len(itl) - np.arange(len(itl))) / len(itl), where="post", color=color, label=label)
-    for ax, name, ylabel in zip(axes, ("TTFT CDF", "ITL CDF", "ITL tail"),
-                                ("fraction", "fraction", "fraction of gaps >= x (log)")):
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("ms (log)", fontsize=8)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    axes[2].set_yscale("log")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------- host
-
-
-def host_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
-    with contextlib.suppress(OSError):
-        info["load_avg"] = list(os.getloadavg())
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core", "Hypervisor vendor"):
-                info[key.strip()] = value.strip()
-    with contextlib.suppress(Exception):
-        import importlib.metadata as md
-
-        info["versions"] = {p: md.version(p) for p in ("torch", "transformers", "accelerate", "fastapi", "uvicorn")}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout  # noqa: E731
-        info["git_commit"] = git("rev-parse", "--short", "HEAD").strip()
-        info["git_dirty_files"] = len(git("status", "--short").splitlines())
-        import hashlib
-
-        info["git_diff_sha1"] = hashlib.sha1(git("diff", "HEAD").encode()).hexdigest()[:12]
-    return info
-
-
-# ---------------------------------------------------------------- main
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -569,8 +174,7 @@ def compare_model(args: argparse.Namespace, kind: str) -> dict[str, Any]:
                     print(f"[{kind}]   failed: {err}", file=sys.stderr)
         cache = run_cache(args, servers["epd"][1], kind) if args.cache_model == kind else None
     finally:
-        for proc, _, _ in servers.values():
-            proc.stop()
+        stop_group([proc for proc, _, _ in servers.values()])
     reports = {name: pooled(rs, check_answers=check) for name, rs in runs.items()}
     for name, rs in runs.items():
         reports[name]["server_cpu_ms_per_request"] = cpu_per_request(rs)
@@ -588,10 +192,9 @@ def compare_model(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         result["targets"] = check_targets(reports["transformers"], reports["epd"], result["identical_text"])
     if cache is not None:
         result["cache"] = cache
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_cdfs({name: [r for run in rs for r in run.records] for name, rs in runs.items()},
-              args.out / f"{stem(args)}-{kind}.png",
-              f"{kind} model: {n} req x {args.rounds} rounds, concurrency {args.concurrency}")
+    plot_series_cdfs({name: [r for run in rs for r in run.records] for name, rs in runs.items()},
+                     args.out / f"{stem(args)}-{kind}.png",
+                     f"{kind} model: {n} req x {args.rounds} rounds, concurrency {args.concurrency}")
     return result
 
 
@@ -626,48 +229,16 @@ def run_cache(args: argparse.Namespace, base: str, kind: str) -> dict[str, Any]:
         out[name] = rep
     out["table"] = cache_rows(out["distinct"], out["repeated"])
     out["ttft_p50_drop"] = ratio(out["repeated"]["ttft_ms_p50"], out["distinct"]["ttft_ms_p50"])
-    plot_cdfs({"distinct images (miss)": [r for run in distinct for r in run.records],
-               "same images again (hit)": [r for run in repeated for r in run.records]},
-              args.out / f"{stem(args)}-cache.png",
-              f"epd, {kind} model: encoder cache, {args.cache_requests} req, concurrency {args.cache_concurrency}")
+    plot_series_cdfs({"distinct images (miss)": [r for run in distinct for r in run.records],
+                      "same images again (hit)": [r for run in repeated for r in run.records]},
+                     args.out / f"{stem(args)}-cache.png",
+                     f"epd, {kind} model: encoder cache, {args.cache_requests} req, concurrency {args.cache_concurrency}")
     return out
-
-
-def print_model(result: Mapping[str, Any]) -> None:
-    kind = result["model"]
-    if "table" not in result:  # --cache-only
-        print_cache(result)
-        return
-    print(f"\n## {kind} model: transformers serve vs epd serve\n")
-    print(markdown_table(["metric", "transformers", "epd", "epd / transformers"], result["table"]))
-    same = result["identical_text"]
-    print(f"\nidentical replies across the two servers: {same['same']}/{same['compared']}")
-    split = result["reports"]["epd"].get("server_cpu_ms_per_request") or {}
-    if split:
-        print("epd server CPU ms per request by process: "
-              + ", ".join(f"{role} {fmt(ms)}" for role, ms in split.items() if role not in ("total", "load_generator"))
-              + f"; load generator {fmt(split.get('load_generator'))}")
-    if "targets" in result:
-        t = result["targets"]
-        print(f"targets: throughput {fmt(t['throughput_ratio'])}x (>= {TARGET_THROUGHPUT_RATIO}: "
-              f"{'met' if t['throughput_ok'] else 'MISSED'}), TTFT p50 {fmt(t['ttft_p50_ratio'])}x "
-              f"(<= {TARGET_TTFT_P50_RATIO}: {'met' if t['ttft_p50_ok'] else 'MISSED'}), "
-              f"every epd answer correct: {'yes' if t['epd_all_correct'] else 'NO'}"
-              + (f" (every epd reply identical to transformers': {'yes' if t['epd_matches_transformers'] else 'NO'})"
-                 if "epd_matches_transformers" in t else ""))
-    print_cache(result)
-
-
-def print_cache(result: Mapping[str, Any]) -> None:
-    if "cache" in result:
-        print(f"\n## epd encoder cache ({result['model']} model)\n")
-        print(markdown_table(["metric", "distinct images", "same images again", "again / distinct"],
-                             result["cache"]["table"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    header = results_header("compare_servers", argv)
     t0 = time.monotonic()
     host = host_info()
     results = []
@@ -681,16 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for result in results:
         print_model(result)
-    host_end = host_info().get("load_avg")
-    payload = {"benchmark": "compare_servers", "started": started, "wall_s": time.monotonic() - t0,
-               "command": "python -m bench.compare_servers " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "host": {**host, "load_avg_end": host_end},
-               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    payload = {**header, "wall_s": time.monotonic() - t0, "host": host, "settings": settings_json(vars(args)),
                "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"{stem(args)}{'-cache' if args.cache_only else ''}.json"
-    (args.out / name).write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
-    print(f"\nwritten: {args.out / name} ({time.monotonic() - t0:.0f} s)")
+    path = args.out / f"{stem(args)}{'-cache' if args.cache_only else ''}.json"
+    finish_results(path, payload)
+    print(f"\nwritten: {path} ({time.monotonic() - t0:.0f} s)")
     return 0
 
 

@@ -17,16 +17,15 @@ as JSON to ``bench/results/decode_throughput.json`` (see bench/HANDOFF.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+from bench.harness.host import host_basics
+from bench.harness.paths import RESULTS
+from bench.harness.report import finish_results, results_header
 
 
 def model_size(adapter) -> dict:
@@ -57,9 +56,10 @@ class Batch:
         gen = torch.Generator().manual_seed(batch)
         self.seqs = []
         for i in range(batch):
-            blocks = self.pool.allocate(per_seq)
+            owner = self.pool.new_token()
+            blocks = self.pool.allocate(per_seq, owner)
             kv = torch.randn((layout.layers, 2, context, layout.kv_heads, layout.head_dim), generator=gen)
-            self.pool.write(blocks, 0, kv.to(layout.dtype))
+            self.pool.write(blocks, 0, kv.to(layout.dtype), owner=owner)
             self.seqs.append(DecodeInput(token_id=5 + i % 7, position=context, blocks=blocks, sampling=SamplingParams()))
         self.times: list[float] = []
 
@@ -110,12 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {size['params_total'] / 1e6:.1f} M parameters ({size['weight_bytes'] / 2**20:.0f} MiB "
           f"{size['dtype']}), decoder {size['params_decoder'] / 1e6:.1f} M, KV {adapter.kv_layout.describe()}; "
           f"torch threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.2f}")
-    results = dict(benchmark="decode_throughput", started=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                   command="python -m bench.decode_throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = dict(**results_header("decode_throughput", argv),
                    model=str(args.model), model_size=size, kv_layout=adapter.kv_layout.describe(),
                    torch_threads=torch.get_num_threads(), torch_version=torch.__version__,
-                   host=dict(cpus=os.cpu_count(), load_avg=os.getloadavg(), python=platform.python_version(),
-                             machine=platform.machine()), runs=[])
+                   host=host_basics(), runs=[])
     batches = [Batch(adapter, b, args.context, args.warmup + args.steps, args.block_size) for b in args.batches]
     for b in batches:
         for _ in range(args.warmup):
@@ -141,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tokens/s relative to batch 1 (all steps | median step | best step): " + ", ".join(
             f"batch {r['batch']} {r['speedup_vs_batch1']:.1f}x | {r['speedup_vs_batch1_median_step']:.1f}x | "
             f"{r['speedup_vs_batch1_best_step']:.1f}x" for r in results["runs"]))
-    results["host"]["load_avg_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    finish_results(args.out, results, indent=2, allow_nan=True)
     print(f"written {args.out}")
     return 0
 

@@ -30,58 +30,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness.host import host_basics
+from bench.harness.report import finish_results, results_header
+from bench.harness.servers import RESULTS, ROOT, Process, bench_process, free_port, wait_grpc, worker_cmd
+from bench.kv_handoff_baselines import (
+    MiB,
+    baseline_processes,
+    grpc_raw_push,
+    grpc_raw_server,
+    socket_send,
+    socket_server,
+    start_until_ready,
+)
+from launcher.processes import stop_group
+
 DEFAULT_MODEL = ROOT / "models" / "demo-vlm"
-RESULTS = ROOT / "bench" / "results"
-MiB = 1 << 20
-
-
-# -- the raw socket side --------------------------------------------------------------
-def socket_server(port: int, total: int) -> None:
-    """Child process: accept connections; for each, receive ``total`` bytes, answer one byte."""
-    buf = bytearray(total)
-    view = memoryview(buf)
-    with socket.socket() as srv:
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", port))
-        srv.listen(1)
-        print("ready", flush=True)
-        while True:
-            conn, _ = srv.accept()
-            with conn:
-                got = 0
-                while got < total:
-                    n = conn.recv_into(view[got:], min(total - got, 16 * MiB))
-                    if n == 0:
-                        break
-                    got += n
-                if got < total:
-                    return
-                conn.sendall(b"k")
-
-
-def socket_send(port: int, payload: memoryview, piece: int) -> float:
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = time.perf_counter()
-        for off in range(0, len(payload), piece):
-            s.sendall(payload[off: off + piece])
-        ack = s.recv(1)
-        elapsed = time.perf_counter() - t0
-    assert ack == b"k"
-    return elapsed
 
 
 def kv_shape(model: Path) -> tuple[int, int, int]:
@@ -93,73 +63,7 @@ def kv_shape(model: Path) -> tuple[int, int, int]:
     return int(text.num_hidden_layers), int(text.num_key_value_heads or text.num_attention_heads), int(head_dim)
 
 
-# -- gRPC transport alone: the same stream of bytes, no protobuf, no checksum, no pool -----
-def grpc_raw_server(port: int) -> None:
-    """Child process: a grpc.aio server (same options as the workers) whose one method counts raw bytes."""
-    import grpc
-
-    from runtime.worker.wire import GRPC_OPTIONS
-
-    async def push(request_iterator, context) -> bytes:
-        n = 0
-        async for message in request_iterator:
-            n += len(message)
-        return n.to_bytes(8, "little")
-
-    async def serve() -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        handler = grpc.method_handlers_generic_handler("bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push)})
-        server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        print("ready", flush=True)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
-async def grpc_raw_push(channel, pieces: list[bytes]) -> float:
-    push = channel.stream_unary("/bench.Raw/Push")
-    t0 = time.perf_counter()
-    got = int.from_bytes(await push(iter(pieces), timeout=600), "little")
-    elapsed = time.perf_counter() - t0
-    assert got == sum(len(p) for p in pieces)
-    return elapsed
-
-
 # -- the gRPC side ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_decode(model: Path, port: int, kv_mb: int, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "launcher.cli", "decode", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--kv-memory-mb", str(kv_mb)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def wait_serving(address: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 180) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"decode worker exited:\n{log_path.read_text()}")
-        try:
-            with grpc.insecure_channel(address) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"decode worker at {address} not serving:\n{log_path.read_text()}")
-
-
 def frame_chunks(kv, chunk_tokens: int, layout, fingerprint: str):
     """KVChunk messages as prefill_svc frames them: payload bytes + blake3, final-chunk fields."""
     import torch
@@ -290,9 +194,10 @@ def breakdown(kv, msgs, layout, block_size: int = 16, reps: int = 3) -> dict[str
     timed("receiver: torch.frombuffer + view (no copy)", frombuffer)
     views = frombuffer()
     pool = KVBlockPool(layout, -(-n_tokens // block_size) + 1, block_size)
-    blocks = pool.allocate(n_tokens)
+    owner = pool.new_token()
+    blocks = pool.allocate(n_tokens, owner)
     timed("receiver: pool.write (slots() + indexed copy)",
-          lambda: [pool.write(blocks, m.token_start, v) for m, v in zip(parsed, views)])
+          lambda: [pool.write(blocks, m.token_start, v, owner=owner) for m, v in zip(parsed, views)])
     timed("  of which slots() index construction",
           lambda: [pool.slots(blocks, m.token_start, m.token_end) for m in parsed])
     flat = pool._flat
@@ -400,41 +305,28 @@ def main(argv: list[str] | None = None) -> int:
         socket_server(args.socket_server, args.socket_total)
         return 0
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     kv_mb = args.total_mib + max(64, args.total_mib // 4)   # the transfer plus headroom for block rounding
     decode_port, sock_port, raw_port = free_port(), free_port(), free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="kv_handoff-")) / "decode.log"
-    decode = start_decode(args.model, decode_port, kv_mb, log_path)
-    sock = raw_server = None
-    results: dict = dict(benchmark="kv_handoff", started=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                         command="python -m bench.kv_handoff " + " ".join(argv if argv is not None else sys.argv[1:]),
-                         host=dict(cpus=os.cpu_count(), load_avg=os.getloadavg(), python=platform.python_version(),
-                                   machine=platform.machine()),
+    logs = Path(tempfile.mkdtemp(prefix="kv_handoff-"))
+    decode = bench_process("decode worker", worker_cmd("decode", args.model, decode_port, None,
+                                                       ["--kv-memory-mb", str(kv_mb)]), logs / "decode.log")
+    results: dict = dict(**results_header("kv_handoff", argv), host=host_basics(),
                          decode_kv_memory_mb=kv_mb, repeats=args.repeats, runs=[])
+    helpers: list[Process] = []
     try:
         address = f"127.0.0.1:{decode_port}"
-        wait_serving(address, decode, log_path)
+        decode.start()
+        wait_grpc(address, [decode], 180)
         layers, kv_heads, head_dim = kv_shape(args.model)
         per_token = layers * 2 * kv_heads * head_dim * 4     # float32 cache
         total = (args.total_mib * MiB // per_token) * per_token
-        sock = subprocess.Popen([sys.executable, "-m", "bench.kv_handoff", "--socket-server", str(sock_port),
-                                 "--socket-total", str(total)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert sock.stdout is not None and sock.stdout.readline().strip() == "ready"
-        raw_server = subprocess.Popen([sys.executable, "-m", "bench.kv_handoff", "--grpc-raw-server", str(raw_port)],
-                                      cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert raw_server.stdout is not None and raw_server.stdout.readline().strip() == "ready"
+        helpers = baseline_processes(sock_port, total, raw_port, logs)
+        for helper in helpers:
+            start_until_ready(helper)
         asyncio.run(run_grpc_side(address, args, results, sock_port, f"127.0.0.1:{raw_port}"))
     finally:
-        for proc in (decode, sock, raw_server):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    results["host"]["load_avg_end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+        stop_group([decode, *helpers])
+    finish_results(args.out, results, indent=2, allow_nan=True)
     print(f"\nwritten {args.out}")
     return 0
 

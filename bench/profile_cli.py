@@ -48,6 +48,9 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 
+from bench.harness.host import busy_cores, host_busy
+from bench.harness.scrape import parse_prometheus
+from bench.harness.usage import listener_cpu_seconds
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.policy import service_times as st
@@ -86,27 +89,7 @@ async def _gateway_cpu_s(client: httpx.AsyncClient, base: str) -> float | None:
         text = (await client.get(f"{base}/metrics")).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    return None
-
-
-def _worker_cpu_s(address: str) -> float | None:
-    """CPU seconds so far of the local process listening on ``address``'s port (None if not found)."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        port = int(address.rsplit(":", 1)[1])
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
-                t = psutil.Process(conn.pid).cpu_times()
-                return t.user + t.system
-    except (ValueError, OSError, psutil.Error):
-        return None
-    return None
+    return parse_prometheus(text, "process_cpu_seconds_total ").get("process_cpu_seconds_total")
 
 
 def overhead_ms(cpu: list[float | None], times: tuple[float, float, float, float], requests: int,
@@ -158,25 +141,6 @@ def is_local(base: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def host_busy() -> tuple[float, float] | None:
-    """(busy, total) CPU ticks of this host so far, summed over its cores (``/proc/stat``); None off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
-    return total - idle, total
-
-
-def busy_cores(cores: int, before: tuple[float, float] | None, after: tuple[float, float] | None) -> float:
-    """Cores' worth of work between two ``host_busy()`` readings (0 when unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
-        return 0.0
-    return cores * max(0.0, after[0] - before[0]) / (after[1] - before[1])
-
-
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
@@ -220,7 +184,7 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
             """CPU seconds so far by role (the workers of a role summed; None if any is unreadable)."""
             got: dict[str, float | None] = {}
             for role, address in watched:
-                value = await _gateway_cpu_s(client, base) if address is None else _worker_cpu_s(address)
+                value = await _gateway_cpu_s(client, base) if address is None else listener_cpu_seconds(address)
                 prev = got.get(role, 0.0)
                 got[role] = None if value is None or prev is None else prev + value
             return got

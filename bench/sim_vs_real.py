@@ -70,7 +70,8 @@ from typing import Any
 
 import httpx
 
-from bench.compare_servers import ROOT, Proc, StartError, epd_serve, free_port, wait_http
+from bench.harness.servers import ROOT, Process, StartError, epd_serve, free_port, wait_http
+from bench.harness.usage import cpu_seconds
 from bench.loadgen import BenchConfig, arun_bench
 from bench.record import RequestRecord
 from bench.workload import QUESTION, make_image_pool, make_messages
@@ -303,7 +304,7 @@ def measure(placement: str, args: argparse.Namespace, logs: Path) -> dict[str, A
     return run
 
 
-async def _measure_async(placement: str, args: argparse.Namespace, base: str, server: Proc,
+async def _measure_async(placement: str, args: argparse.Namespace, base: str, server: Process,
                          out_file: Path) -> dict[str, Any]:
     mt = args.max_tokens
     await bench(base, requests=16, concurrency=4, image_pool=16, max_tokens=mt, seed=args.seed + 100)  # warm-up
@@ -324,15 +325,15 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     }
 
 
-async def _load_point(args: argparse.Namespace, base: str, server: Proc, rate: float, seed: int) -> dict[str, Any]:
+async def _load_point(args: argparse.Namespace, base: str, server: Process, rate: float, seed: int) -> dict[str, Any]:
     """One Poisson load on the stack: its records and what the host did meanwhile."""
     n = args.requests
-    load_before, cpu_before, client_before = os.getloadavg()[0], server.cpu_seconds(), time.process_time()
+    load_before, cpu_before, client_before = os.getloadavg()[0], cpu_seconds(server), time.process_time()
     host_before, wall = host_busy(), time.monotonic()
     report, records = await bench(base, requests=n, rate=rate, image_pool=args.image_pool, max_tokens=args.max_tokens,
                                   seed=seed)
     wall, host_after = time.monotonic() - wall, host_busy()
-    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in server.cpu_seconds().items()}
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_seconds(server).items()}
     stack_cores = sum(cpu.values()) / wall
     cpu["load_generator"] = time.process_time() - client_before
     # the host's other work during this load (the load generator included): its busy cores less the stack's

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +34,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.compare_servers import ROOT, epd_serve, free_port, wait_http
+from bench.harness.report import write_json
+from bench.harness.servers import RESULTS, ROOT, epd_serve, free_port, wait_http
+from bench.harness.usage import tree_rss_mib
 from bench.loadgen import BenchConfig, BenchResult, arun_bench, run_bench
-
-RESULTS = ROOT / "bench" / "results"
-
-
-def stack_rss_mib(pid: int) -> float:
-    root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+from bench.metrics import percentile as linear_percentile
 
 
 def leak_counters(base: str, settle_s: float = 15.0) -> dict[str, float]:
@@ -81,7 +76,8 @@ def pin_apart(stack_pid: int) -> dict[str, list[int]] | None:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else None
+    """Linear interpolation, as everywhere in bench/; None below two samples."""
+    return linear_percentile(values, q) if len(values) > 1 else None
 
 
 async def bench_with_loop_probe(config: BenchConfig) -> tuple[BenchResult, list[float]]:
@@ -132,24 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     logs = Path(tempfile.mkdtemp(prefix="epd-soak-"))
-    server = epd_serve(args.model, port, logs / "serve.log", "epd")
-    server.env["EPD_TTFT_SLO_MS"] = str(args.ttft_slo_ms)
+    server = epd_serve(args.model, port, logs, "epd", env={"EPD_TTFT_SLO_MS": str(args.ttft_slo_ms)})
     server.start()
     try:
         wait_http(f"{base}/health", [server])
-        pinned = None if args.no_pin else pin_apart(server.proc.pid)
+        pinned = None if args.no_pin else pin_apart(server.pid)
         run_bench(BenchConfig(base=base, requests=32, concurrency=8, progress=False))  # warm-up
         # enough in flight that throughput, not one request's latency, is the limit
         capacity = run_bench(BenchConfig(base=base, requests=args.capacity_concurrency * 8,
                                          concurrency=args.capacity_concurrency, image_pool=160, max_tokens=8,
                                          progress=False))
         rate = capacity["req_per_s"] * args.overload
-        rss_before = stack_rss_mib(server.proc.pid)
+        rss_before = tree_rss_mib(server.pid)
         result, lags = asyncio.run(bench_with_loop_probe(BenchConfig(
             base=base, requests=args.requests, rate=rate, image_pool=64, max_tokens=8,
             ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, seed=7)))
         soak = result.report
-        rss_after = stack_rss_mib(server.proc.pid)
+        rss_after = tree_rss_mib(server.pid)
         leaks = leak_counters(base)
     finally:
         server.stop()
@@ -168,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "answers_checked": soak["answers_checked"], "rss_mib_before": rss_before, "rss_mib_after": rss_after,
         "leaks_after": leaks, "cores": pinned or "shared", "ttft_slo_ms": args.ttft_slo_ms, "itl_slo_ms": args.itl_slo_ms,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(report, indent=2))
+    write_json(RESULTS / "soak.json", report, indent=2, allow_nan=True)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -1,4 +1,5 @@
-"""The side-by-side benchmark scripts (bench/compare_servers.py, bench/placement_comparison.py).
+"""The side-by-side benchmark scripts (bench/compare_servers.py, bench/placement_comparison.py) and
+the harness they share (bench/harness/).
 
 Only argument parsing and the table / report building, on tiny fake reports and
 records: no server is started and nothing is timed. The measured numbers live in
@@ -11,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare_servers as cs
-from bench import placement_comparison as pc
+from bench import (
+    compare_report,
+    compare_servers,
+    placement_comparison,
+    placement_load,
+    placement_stack,
+    placement_summary,
+)
+from bench.harness import report, runs, scrape, servers
+from bench.plot import plot_series_cdfs
 from bench.record import RequestRecord
 
 
@@ -39,20 +48,20 @@ def record(index: int, ttft: float | None = 0.1, gaps: tuple[float, ...] = (0.01
 
 
 def test_compare_defaults() -> None:
-    args = cs.parse_args([])
+    args = compare_servers.parse_args([])
     assert args.model_list == ["demo", "bench"]
     assert (args.requests, args.concurrency, args.rounds) == (64, 16, 2)
     assert args.transformers_threads == 1
     assert args.cache_model == "demo" and not args.cache_only
-    assert cs.stem(args) == "compare_servers"
+    assert compare_servers.stem(args) == "compare_servers"
 
 
 def test_compare_options() -> None:
-    args = cs.parse_args(["--models", "bench", "--requests", "8", "--concurrency", "4", "--rounds", "1",
+    args = compare_servers.parse_args(["--models", "bench", "--requests", "8", "--concurrency", "4", "--rounds", "1",
                           "--cache-model", "none", "--tag", "threads-2", "--epd-args", "--placement colocated"])
     assert args.model_list == ["bench"]
     assert (args.requests, args.concurrency, args.rounds) == (8, 4, 1)
-    assert cs.stem(args) == "compare_servers-threads-2"
+    assert compare_servers.stem(args) == "compare_servers-threads-2"
     assert args.epd_args.split() == ["--placement", "colocated"]
 
 
@@ -67,7 +76,7 @@ def test_compare_options() -> None:
 ])
 def test_compare_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
-        cs.parse_args(argv)
+        compare_servers.parse_args(argv)
 
 
 # ------------------------------------------------------------------ compare_servers: tables
@@ -76,23 +85,24 @@ def test_compare_rejects_bad_arguments(argv: list[str]) -> None:
 def test_ratio_rows_and_markdown() -> None:
     base = fake_report(server_cpu_ms_per_request={"total": 20.0})
     epd = fake_report(req_per_s=24.0, ttft_ms_p50=100.0, server_cpu_ms_per_request={"total": 10.0})
-    rows = cs.ratio_rows(base, epd)
+    rows = compare_report.ratio_rows(base, epd)
     by_label = {row[0]: row for row in rows}
     assert by_label["requests/s"][1:] == ["8.00", "24.00", "3.00"]
     assert by_label["TTFT p50 (ms)"][3] == "0.25"
     assert by_label["server CPU ms / request"][3] == "0.50"
     assert by_label["ok / requests"][1:3] == ["16/16", "16/16"]
     assert by_label["answers correct"][2] == "16/16"
-    table = cs.markdown_table(["metric", "transformers", "epd", "epd / transformers"], rows).splitlines()
+    table = report.markdown_table(["metric", "transformers", "epd", "epd / transformers"], rows).splitlines()
     assert table[0].startswith("| metric") and set(table[1]) <= {"|", "-"}
     assert len(table) == len(rows) + 2
     assert len({len(line) for line in table}) == 1  # columns aligned
 
 
 def test_ratio_and_fmt_edge_cases() -> None:
-    assert cs.ratio(None, 1.0) is None and cs.ratio(1.0, 0.0) is None and cs.ratio(3.0, 2.0) == 1.5
-    assert cs.fmt(None) == "-" and cs.fmt(1.234) == "1.23" and cs.fmt(12345.6) == "12346" and cs.fmt(3) == "3"
-    rows = cs.ratio_rows(fake_report(ttft_ms_p50=None, answers_checked=0),
+    assert report.ratio(None, 1.0) is None and report.ratio(1.0, 0.0) is None and report.ratio(3.0, 2.0) == 1.5
+    assert report.fmt(None) == "-" and report.fmt(1.234) == "1.23" and report.fmt(12345.6) == "12346"
+    assert report.fmt(3) == "3"
+    rows = compare_report.ratio_rows(fake_report(ttft_ms_p50=None, answers_checked=0),
                          fake_report(answers_checked=0))
     labels = [r[0] for r in rows]
     assert "answers correct" not in labels and "server CPU ms / request" not in labels
@@ -101,45 +111,46 @@ def test_ratio_and_fmt_edge_cases() -> None:
 
 def test_check_targets() -> None:
     base = fake_report()
-    good = cs.check_targets(base, fake_report(req_per_s=16.0, ttft_ms_p50=200.0), {"same": 16, "compared": 16})
+    good = compare_report.check_targets(base, fake_report(req_per_s=16.0, ttft_ms_p50=200.0),
+                                        {"same": 16, "compared": 16})
     assert good["throughput_ok"] and good["ttft_p50_ok"] and good["epd_all_correct"] and good["all_met"]
     assert good["epd_matches_transformers"]
-    slow = cs.check_targets(base, fake_report(req_per_s=12.0, ttft_ms_p50=300.0, answers_correct=15))
+    slow = compare_report.check_targets(base, fake_report(req_per_s=12.0, ttft_ms_p50=300.0, answers_correct=15))
     assert slow["throughput_ratio"] == 1.5 and not slow["throughput_ok"]
     assert not slow["ttft_p50_ok"] and not slow["epd_all_correct"] and not slow["all_met"]
     assert "epd_matches_transformers" not in slow
-    failed = cs.check_targets(base, fake_report(req_per_s=20.0, ttft_ms_p50=100.0, ok=15))
+    failed = compare_report.check_targets(base, fake_report(req_per_s=20.0, ttft_ms_p50=100.0, ok=15))
     assert not failed["epd_all_correct"]
 
 
 def test_cache_rows() -> None:
     distinct = fake_report(cache_checks={"hit": 0.0, "checked": 32.0})
     repeated = fake_report(ttft_ms_p50=300.0, cache_checks={"hit": 32.0, "checked": 32.0})
-    rows = {r[0]: r for r in cs.cache_rows(distinct, repeated)}
+    rows = {r[0]: r for r in compare_report.cache_rows(distinct, repeated)}
     assert rows["TTFT p50 (ms)"][1:] == ["400.00", "300.00", "0.75"]
     assert rows["images found cached / checked (gateway)"][1:3] == ["0/32", "32/32"]
 
 
 def test_pooled_same_text_and_errors() -> None:
-    a = cs.Run("t", {"duration_s": 1.0}, [record(0, 0.1), record(1, 0.3), record(2, ok=False)])
-    b = cs.Run("t", {"duration_s": 3.0}, [record(0, 0.2, text="a blue square"), record(1, 0.2)])
-    report = cs.pooled([a, b])
-    assert report["requests"] == 5 and report["ok"] == 4 and report["duration_s"] == 4.0
-    assert report["req_per_s"] == 1.0
-    assert report["ttft_ms_p50"] == pytest.approx(200.0)
-    assert report["answers_correct"] == 3
-    assert cs.same_text(a.records, b.records) == (1, 2)
-    errors = cs.error_samples(a.records + [record(3, ok=False)])
+    a = runs.Run("t", {"duration_s": 1.0}, [record(0, 0.1), record(1, 0.3), record(2, ok=False)])
+    b = runs.Run("t", {"duration_s": 3.0}, [record(0, 0.2, text="a blue square"), record(1, 0.2)])
+    pooled = runs.pooled([a, b])
+    assert pooled["requests"] == 5 and pooled["ok"] == 4 and pooled["duration_s"] == 4.0
+    assert pooled["req_per_s"] == 1.0
+    assert pooled["ttft_ms_p50"] == pytest.approx(200.0)
+    assert pooled["answers_correct"] == 3
+    assert runs.same_text(a.records, b.records) == (1, 2)
+    errors = runs.error_samples(a.records + [record(3, ok=False)])
     assert errors == ["503: "]
 
 
 def test_cpu_per_request() -> None:
-    runs = [cs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.2}, 0.05),
-            cs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.0}, 0.05)]
-    cpu = cs.cpu_per_request(runs)
+    pair = [runs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.2}, 0.05),
+            runs.Run("x", {"ok": 10}, [], {"gateway": 0.1, "decode": 0.0}, 0.05)]
+    cpu = runs.cpu_per_request(pair)
     assert cpu["gateway"] == pytest.approx(10.0) and cpu["decode"] == pytest.approx(10.0)
     assert cpu["total"] == pytest.approx(20.0) and cpu["load_generator"] == pytest.approx(5.0)
-    assert cs.cpu_per_request([cs.Run("x", {"ok": 0}, [], {"gateway": 1.0})]) == {}
+    assert runs.cpu_per_request([runs.Run("x", {"ok": 0}, [], {"gateway": 1.0})]) == {}
 
 
 def test_prometheus_parsing_and_deltas() -> None:
@@ -151,17 +162,17 @@ def test_prometheus_parsing_and_deltas() -> None:
         'epd:placement_total{placement="colocated",reason="forced"} 7.0',
         "process_cpu_seconds_total 12.0",
     ])
-    after = cs.parse_prometheus(text)
+    after = scrape.parse_prometheus(text)
     assert "process_cpu_seconds_total" not in after
     before = {'epd:gateway_image_cache_checks_total{cached="true"}': 1.0,
               'epd:gateway_image_cache_checks_total{cached="false"}': 3.0}
-    delta = cs.counter_delta(before, after, "epd:gateway_image_cache_checks_total")
+    delta = scrape.counter_delta(before, after, "epd:gateway_image_cache_checks_total")
     assert delta == {'epd:gateway_image_cache_checks_total{cached="true"}': 4.0}
 
 
 def test_plot_cdfs_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "cdf.png"
-    cs.plot_cdfs({"a": [record(0), record(1, 0.2, (0.02, 0.03))], "b": [record(2, ok=False)]}, path, "title")
+    plot_series_cdfs({"a": [record(0), record(1, 0.2, (0.02, 0.03))], "b": [record(2, ok=False)]}, path, "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -169,17 +180,18 @@ def test_plot_cdfs_writes_a_png(tmp_path: Path) -> None:
 
 
 def test_placement_defaults_and_topology() -> None:
-    args = pc.parse_args([])
-    assert args.placement_list == list(pc.PLACEMENTS) and args.scenario_list == list(pc.SCENARIOS)
+    args = placement_comparison.parse_args([])
+    assert args.placement_list == list(placement_stack.PLACEMENTS)
+    assert args.scenario_list == list(placement_load.SCENARIOS)
     assert args.core_list == [0, 1] and args.burst_at_list == [4.0, 14.0]
-    assert pc.topology("colocated", [0, 1]) == [("decode", 0), ("decode", 1)]
-    assert pc.topology("disaggregated", [3, 5]) == [("prefill", 3), ("decode", 5)]
-    assert pc.topology("conditional", [0, 1]) == [("prefill", 0), ("decode", 1)]
+    assert placement_stack.topology("colocated", [0, 1]) == [("decode", 0), ("decode", 1)]
+    assert placement_stack.topology("disaggregated", [3, 5]) == [("prefill", 3), ("decode", 5)]
+    assert placement_stack.topology("conditional", [0, 1]) == [("prefill", 0), ("decode", 1)]
     with pytest.raises(ValueError):
-        pc.topology("mixed", [0, 1])
-    cmd = pc.worker_cmd("decode", Path("/m"), 5000, "1", ["--kv-memory-mb", "64"])
+        placement_stack.topology("mixed", [0, 1])
+    cmd = servers.worker_cmd("decode", Path("/m"), 5000, "1", ["--kv-memory-mb", "64"])
     assert cmd[:3] == ["taskset", "-c", "1"] and cmd[-2:] == ["--kv-memory-mb", "64"]
-    assert pc.worker_cmd("encoder", Path("/m"), 5000, None)[0] != "taskset"
+    assert servers.worker_cmd("encoder", Path("/m"), 5000, None)[0] != "taskset"
 
 
 @pytest.mark.parametrize("argv", [
@@ -194,20 +206,21 @@ def test_placement_defaults_and_topology() -> None:
 ])
 def test_placement_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
-        pc.parse_args(argv)
+        placement_comparison.parse_args(argv)
 
 
 def test_summarize_run_uses_class_slos() -> None:
     short = [record(0, 0.5, (0.1, 0.2)), record(1, 3.0, (0.1,)), record(2, 0.5, (1.5,)), record(3, ok=False)]
     long = [record(4, 8.0, (0.1,), long=True)]
-    run = pc.ScenarioRun(short, long, 10.0, {'epd:placement_total{placement="colocated",reason="forced"}': 5.0})
-    s = pc.summarize_run(run, short_ttft_slo_ms=2000, long_ttft_slo_ms=10000, itl_slo_ms=1000)
+    run = placement_load.ScenarioRun(short, long, 10.0,
+                                     {'epd:placement_total{placement="colocated",reason="forced"}': 5.0})
+    s = placement_summary.summarize_run(run, short_ttft_slo_ms=2000, long_ttft_slo_ms=10000, itl_slo_ms=1000)
     # good: short 0 and the long one; short 1 misses TTFT, short 2 misses ITL, short 3 failed
     assert s["good"] == 2 and s["goodput_req_per_s"] == pytest.approx(0.2)
     assert (s["requests"], s["ok"]) == (5, 4) and s["failed_by_status"] == {"503": 1}
     assert s["short_itl_ms_max"] == pytest.approx(1500.0)
     assert s["long_ttft_ms_p99"] == pytest.approx(8000.0)
-    assert pc.decisions(s["placements"]) == "colocated 5"
+    assert placement_summary.decisions(s["placements"]) == "colocated 5"
 
 
 def summary(**overrides) -> dict:
@@ -225,13 +238,13 @@ def test_scenario_rows_mark_the_best() -> None:
                                       placements={'epd:placement_total{placement="colocated",reason="x"}': 3.0,
                                                   'epd:placement_total{placement="disaggregated",reason="y"}': 2.0,
                                                   'epd:placement_total{placement="colocated",reason="z"}': 1.0})}
-    rows = {r[0]: r for r in pc.scenario_rows(results)}
+    rows = {r[0]: r for r in placement_summary.scenario_rows(results)}
     assert rows["short ITL p99 (ms)"][1:] == ["2000", "300.00 *", "350.00"]
     assert rows["goodput (req/s)"][3] == "0.50 *"
     assert rows["good / requests"][1] == "10/12"
     assert rows["placements chosen"][3] == "colocated 4, disaggregated 2"
     no_long = {"colocated": summary(long_ttft_ms_p99=None), "conditional": summary(long_ttft_ms_p99=None)}
-    assert "long TTFT p99 (ms)" not in {r[0] for r in pc.scenario_rows(no_long)}
+    assert "long TTFT p99 (ms)" not in {r[0] for r in placement_summary.scenario_rows(no_long)}
 
 
 def test_claims() -> None:
@@ -243,32 +256,73 @@ def test_claims() -> None:
                 "disaggregated": summary(short_ttft_ms_p50=260.0),
                 "conditional": summary(short_ttft_ms_p50=300.0)},
     }
-    c = pc.claims(results)
-    assert c["long_prompt_breaks_colocated_itl"] and c["mixed_itl_p99_colocated_over_disaggregated"] == pytest.approx(2000 / 300)
+    c = placement_summary.claims(results)
+    assert c["long_prompt_breaks_colocated_itl"]
+    assert c["mixed_itl_p99_colocated_over_disaggregated"] == pytest.approx(2000 / 300)
     assert c["low_load_colocated_wins_ttft"]
     assert c["conditional"]["mixed:short_itl_ms_p99"]["best_or_close"]       # 330 <= 300 * 1.2
     assert not c["conditional"]["low:short_ttft_ms_p50"]["best_or_close"]     # 300 > 200 * 1.2
     assert c["conditional_best_or_close"] is False
-    assert pc.claims({"mixed": {"colocated": summary()}}) == {}
+    assert placement_summary.claims({"mixed": {"colocated": summary()}}) == {}
 
 
 def test_probe_rows() -> None:
-    rows = pc.probe_rows({"colocated": {"reply_ms": 120.0, "colocated_prefill_ms": 80.0},
+    rows = placement_summary.probe_rows({"colocated": {"reply_ms": 120.0, "colocated_prefill_ms": 80.0},
                           "disaggregated": {"reply_ms": 150.0, "prefill_ms": 60.0, "transfer_ms": 20.0}})
-    assert rows[0][0] == "colocated" and len(rows[0]) == len(pc.PROBE_KEYS) + 1
-    col = dict(zip(pc.PROBE_KEYS, rows[0][1:]))
-    dis = dict(zip(pc.PROBE_KEYS, rows[1][1:]))
+    assert rows[0][0] == "colocated" and len(rows[0]) == len(placement_summary.PROBE_KEYS) + 1
+    col = dict(zip(placement_summary.PROBE_KEYS, rows[0][1:]))
+    dis = dict(zip(placement_summary.PROBE_KEYS, rows[1][1:]))
     assert col["reply_ms"] == "120.00" and col["prefill_ms"] == "-" and col["colocated_prefill_ms"] == "80.00"
     assert dis["transfer_ms"] == "20.00"
-    assert pc.parse_args(["--probe", "0"]).probe == 0
+    assert placement_comparison.parse_args(["--probe", "0"]).probe == 0
     with pytest.raises(SystemExit):
-        pc.parse_args(["--probe", "-1"])
+        placement_comparison.parse_args(["--probe", "-1"])
 
 
 def test_claims_idle_from_probes() -> None:
     probes = {"colocated": {"reply_ms": 150.0}, "disaggregated": {"reply_ms": 200.0},
               "conditional": {"reply_ms": 170.0}}
-    c = pc.claims({}, probes=probes)
+    c = placement_summary.claims({}, probes=probes)
     assert c["idle_colocated_wins_ttft"] and c["idle_ttft_colocated_over_disaggregated"] == pytest.approx(0.75)
     assert c["idle_conditional_best_or_close"]
-    assert not pc.claims({}, probes={**probes, "conditional": {"reply_ms": 190.0}})["idle_conditional_best_or_close"]
+    late = placement_summary.claims({}, probes={**probes, "conditional": {"reply_ms": 190.0}})
+    assert not late["idle_conditional_best_or_close"]
+
+
+# ------------------------------------------------------------------ in-process benchmarks: they still run
+
+
+def test_kv_handoff_frames_chunks_and_times_the_receiver_stages() -> None:
+    """Framing and the in-process stage breakdown of ``bench.kv_handoff`` on a tiny transfer
+    (the pool's write API is the product's, owner token included)."""
+    import torch
+
+    from bench import kv_handoff
+    from runtime.model.kv_pool import KVLayout
+
+    layout = KVLayout(2, 2, 8, torch.float32)
+    kv = torch.randn((layout.layers, 2, 40, layout.kv_heads, layout.head_dim))
+    msgs, checksum_s, frame_s = kv_handoff.frame_chunks(kv, 16, layout, "fp")
+    assert [(m.token_start, m.token_end) for m in msgs] == [(0, 16), (16, 32), (32, 40)]
+    assert msgs[-1].last and msgs[-1].total_chunks == 3 and msgs[-1].model_fingerprint == "fp"
+    assert checksum_s >= 0 and frame_s >= 0
+    stages = kv_handoff.breakdown(kv, msgs, layout, reps=1)
+    assert "receiver: pool.write (slots() + indexed copy)" in stages
+    assert all(v >= 0 for v in stages.values())
+
+
+def test_decode_throughput_steps_a_batch_on_the_demo_model() -> None:
+    import torch
+
+    from bench.decode_throughput import Batch
+    from runtime.model.model_adapter import VLMAdapter
+
+    torch.set_grad_enabled(False)
+    adapter = VLMAdapter.load(Path(__file__).resolve().parents[1] / "models" / "demo-vlm")
+    batch = Batch(adapter, 2, context=8, max_steps=3, block_size=16)
+    batch.step(timed=False)
+    batch.step()
+    batch.step()
+    row = batch.result()
+    assert (row["batch"], row["context"], row["steps"]) == (2, 8, 2)
+    assert [s.position for s in batch.seqs] == [11, 11]
