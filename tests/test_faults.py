@@ -32,7 +32,7 @@ from leaks import LONG_LEASES, SETTLE_S, LeakCheck, orchestrator_counters
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.demo_model.shapes import draw_shape
-from runtime.policy.placement_policy import on_transfer_failure
+from runtime.policy.failure_policy import on_transfer_failure
 from runtime.model.sampling import SamplingParams
 
 DEADLINE_S = 6.0
