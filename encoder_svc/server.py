@@ -21,9 +21,8 @@ async def build(settings: WorkerSettings) -> tuple[WorkerServer, EncoderServicer
                                       max_images=settings.max_images_per_request)
     cache = open_encoder_cache_for_settings(settings)
     faults = FaultInjector(settings.faults)
-    batcher = EncodeBatcher(adapter, max_batch=settings.encoder_max_batch, window_ms=settings.encoder_batch_window_ms,
-                            stall_ms=faults.amount("stall_encoder_ms"))
-    servicer = EncoderServicer(adapter, cache, batcher)
+    batcher = EncodeBatcher(adapter, max_batch=settings.encoder_max_batch, window_ms=settings.encoder_batch_window_ms)
+    servicer = EncoderServicer(adapter, cache, batcher, stall_ms=faults.amount("stall_encoder_ms"))
     server = WorkerServer("encoder", settings, "Encoder")
     pb_grpc.add_EncoderServicer_to_server(servicer, server.server)
     batcher.start()
