@@ -1,11 +1,15 @@
 """Getting image embeddings by cache key, for whichever stage runs the prompt.
 
 Order: the shared encoder cache (Redis, when configured) -> the encoder named in
-the image ref, asked to return the tensor (it hits its own cache or re-encodes
-from the bytes that travel with the ref). A missing payload is therefore a
-transparent re-encode, never an error. The gateway only ever passes keys and refs.
+the image ref, asked by key alone to return the tensor from its cache. Refs carry
+no image bytes (they travel once, gateway to encoder, in ``Encode``), so an entry
+the encoder no longer holds (evicted, or the encoder restarted, between the
+gateway's Encode and this fetch) is an ``EmbeddingFetchError``: the request ends
+with a clean 503 that names the fetch, and the client may retry (its retry
+re-sends the bytes). Chosen over a transparent re-encode, which would need the
+bytes to ride along on every Prefill and Generate for a rare miss.
 
-An encoder named in a ref is dialled only when discovery lists it (``runtime/peers.py``);
+An encoder named in a ref is dialled only when discovery lists it (``runtime/worker/peers.py``);
 every named address is checked before anything else, so a request naming an unknown
 encoder fails the same way whether or not its embeddings happen to be cached.
 """
@@ -92,7 +96,8 @@ class EmbeddingFetcher:
                 raise EmbeddingFetchError(f"embedding {images[i].cache_key} not cached and no encoder named")
             by_encoder.setdefault(images[i].encoder_address, []).append(i)
         for address, idx in by_encoder.items():
-            req = pb.EncodeRequest(request_id=request_id, images=[images[i] for i in idx], return_embeddings=True)
+            req = pb.EncodeRequest(request_id=request_id, images=[pb.EncodeImage(ref=images[i]) for i in idx],
+                                   return_embeddings=True)
             try:
                 resp = await self._stub(address).Encode(req, timeout=max(0.05, timeout_s))
             except grpc.aio.AioRpcError as exc:

@@ -264,6 +264,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.scheduler.insert_colocated(seq, embeds, chunk_tokens=request.chunk_tokens or None)
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
+        """The first event's account of the handoff: the transfer as decode saw it (first chunk
+        landed -> verified, bytes, chunks), the prefill compute the last chunk reported, this
+        worker's wait and first step. The gateway's TTFT breakdown reads these, so the first token
+        never waits for the Prefill RPC's own reply."""
         a = res.attempt
         metric = pb.TransferMetric(alloc_latency_s=res.alloc_ms / 1000)
         if a.first_chunk_at is not None and a.completed_at is not None:

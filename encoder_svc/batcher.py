@@ -18,13 +18,11 @@ from runtime.worker.timing_log import TimingLog
 
 
 class EncodeBatcher:
-    def __init__(self, adapter: VLMAdapter, *, max_batch: int = 16, window_ms: float = 3.0, timings: TimingLog | None = None,
-                 stall_ms: float = 0.0):
+    def __init__(self, adapter: VLMAdapter, *, max_batch: int = 16, window_ms: float = 3.0, timings: TimingLog | None = None):
         self.adapter = adapter
         self.max_batch = max_batch
         self.window_s = window_ms / 1000
         self.timings = timings or TimingLog()
-        self.stall_ms = stall_ms          # fault injection: encoder stall
         self.computes = 0
         self.max_observed_batch = 0
         self._pending: list[tuple[Image.Image, asyncio.Future]] = []
@@ -66,8 +64,6 @@ class EncodeBatcher:
                 continue
             started = time.perf_counter()
             try:
-                if self.stall_ms:
-                    await asyncio.sleep(self.stall_ms / 1000)
                 outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _ in batch])
             except Exception as exc:
                 for _, fut in batch:

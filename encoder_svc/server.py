@@ -16,9 +16,9 @@ from .servicer import EncoderServicer
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> EncoderServicer:
     """The encoder cache, the micro-batcher (started) and the servicer."""
     faults = FaultInjector(settings.faults)
-    batcher = EncodeBatcher(adapter, max_batch=settings.encoder_max_batch, window_ms=settings.encoder_batch_window_ms,
-                            stall_ms=faults.amount("stall_encoder_ms"))
-    servicer = EncoderServicer(adapter, open_encoder_cache_for_settings(settings), batcher)
+    batcher = EncodeBatcher(adapter, max_batch=settings.encoder_max_batch, window_ms=settings.encoder_batch_window_ms)
+    servicer = EncoderServicer(adapter, open_encoder_cache_for_settings(settings), batcher,
+                               stall_ms=faults.amount("stall_encoder_ms"))
     batcher.start()
     return servicer
 

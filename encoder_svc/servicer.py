@@ -2,19 +2,30 @@
 
 A request names each image by its content key (computed by the gateway from the
 decoded pixels, the model fingerprint, the preprocessing digest and the ref's
-``cache_salt``, the tenant's namespace). The key is re-derived here from the bytes
-and the salt and must match, so a wrong key can never poison the shared cache, nor
-file an image under another tenant's namespace.
+``cache_salt``, the tenant's namespace). Per image of an ``Encode``:
+
+* bytes and a key (the gateway): the key is looked up first; only on a miss are the
+  bytes decoded and the key re-derived from them and the salt. It must match before
+  anything is written, so a wrong key can never poison the shared cache, nor file an
+  image under another tenant's namespace.
+* a key alone (a prefill or decode worker fetching an embedding): a lookup, nothing
+  else; NOT_FOUND when this encoder's cache no longer holds the entry (the bytes are
+  not here to re-encode from: the request fails with a 503, see ``cache/embedding_fetch.py``).
+
+``cache_hits`` counts client images (bytes sent) that did not need encoding; a
+worker's lookup by key is no hit: one new image shows 1 compute and 0 hits.
 Concurrent misses for one key are merged into one encode (single-flight, across
 replicas when the cache is Redis).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 
 import grpc
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from cache.encoder_cache import EncoderCache
@@ -30,14 +41,15 @@ from .batcher import EncodeBatcher
 
 
 class EncoderServicer(pb_grpc.EncoderServicer):
-    def __init__(self, adapter: VLMAdapter, cache: EncoderCache, batcher: EncodeBatcher):
+    def __init__(self, adapter: VLMAdapter, cache: EncoderCache, batcher: EncodeBatcher, *, stall_ms: float = 0.0):
         self.adapter = adapter
         self.cache = cache
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint)
         self.in_flight = 0
-        self.cache_hits = 0
+        self.cache_hits = 0      # client images (bytes sent) that did not need encoding
+        self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first
 
     def key_for(self, image: Image.Image, cache_salt: str = "") -> str:
         return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt)
@@ -56,31 +68,38 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         started = time.perf_counter()
         self.in_flight += 1
         try:
+            if self.stall_s:
+                await asyncio.sleep(self.stall_s)
             out = []
-            for ref in request.images:
-                tensor, hit = None, False
-                if not ref.data:
-                    tensor = await self.cache.get(ref.cache_key)
-                    if tensor is None:
-                        await context.abort(grpc.StatusCode.NOT_FOUND, f"embedding {ref.cache_key} not cached and no bytes sent")
-                    hit, ref_key = True, ref.cache_key
-                else:
-                    try:
-                        image, key = self._decode_image(ref.data, ref.cache_salt)
-                    except InvalidImage as exc:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    if ref.cache_key and ref.cache_key != key:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
-                    tensor, hit = await self.cache.get_or_compute(key, lambda image=image: self.batcher.encode(image))
-                    ref_key = key
-                self.cache_hits += hit
-                item = pb.EncodedImage(cache_key=ref.cache_key or ref_key, cache_hit=hit, tokens=int(tensor.shape[0]))
+            for image in request.images:
+                key, tensor, hit = await self._embedding(image, context)
+                item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=int(tensor.shape[0]))
                 if request.return_embeddings:
                     item.embedding.CopyFrom(tensor_to_pb(tensor))
                 out.append(item)
             return pb.EncodeResponse(images=out, encode_ms=(time.perf_counter() - started) * 1000)
         finally:
             self.in_flight -= 1
+
+    async def _embedding(self, image: pb.EncodeImage, context) -> tuple[str, torch.Tensor, bool]:
+        """``(key, embedding, cache_hit)`` for one image: by key first, bytes decoded only on a miss."""
+        ref = image.ref
+        if ref.cache_key:
+            tensor = await self.cache.get(ref.cache_key)
+            if tensor is not None:
+                self.cache_hits += bool(image.data)
+                return ref.cache_key, tensor, True
+            if not image.data:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"embedding {ref.cache_key} is not cached here")
+        try:
+            decoded, key = self._decode_image(image.data, ref.cache_salt)
+        except InvalidImage as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if ref.cache_key and ref.cache_key != key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
+        tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded))
+        self.cache_hits += hit
+        return key, tensor, hit
 
     async def Cached(self, request: pb.CachedRequest, context) -> pb.CachedResponse:
         return pb.CachedResponse(cached=await self.cache.contains_many(list(request.cache_keys)))

@@ -27,7 +27,7 @@ from runtime.policy.placement_policy import COLOCATED, Admission, admit
 from runtime.policy.service_times import ServiceTimes
 from runtime.policy.worker_stats import Role, StatsSnapshot, WorkerReport, stage_loads
 
-from . import gateway_metrics as m
+from . import pipeline_metrics as m
 from .chat_backend import AdmissionRefused
 from .pressure import FirstTokenPressure
 from .settings import GatewaySettings

@@ -7,7 +7,7 @@ Routes:
 ``GET /v1/models``             the one served model
 ``GET /v1/models/{model}``     it, or 404
 ``GET /health``                200 when the backend is healthy, else 503
-``GET /metrics``               Prometheus text format (``gateway.metrics``)
+``GET /metrics``               Prometheus text format (``gateway.http_metrics``)
 ``GET /status``                the backend's ``status()`` as JSON
 =============================  ==========================================================
 
@@ -49,7 +49,7 @@ from .errors import ApiError, error_body, install_error_handlers
 from .images import ImageLimits, ImageLoader, RemoteImageFetcher
 from .loop_lag import LoopLagMonitor
 from .media_policy import MediaNetwork
-from .metrics import GatewayMetrics
+from .http_metrics import HttpMetrics
 from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
 from .prompt import PromptBuilder
 from .settings import GatewaySettings
@@ -141,10 +141,10 @@ def create_app(
     the media URL policy, ``gateway.media_policy``).
     ``registry`` holds the HTTP metrics (default: a new one per app); ``/metrics`` renders it
     followed by prometheus_client's process-wide ``REGISTRY``, where module-level metrics such as
-    the orchestrator's live.
+    the pipeline's (``gateway.pipeline_metrics``) live.
     """
     prompts = prompt_builder or PromptBuilder.from_pretrained(settings.model)
-    metrics = GatewayMetrics(registry)
+    metrics = HttpMetrics(registry)
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.max_image_side)
     images = ImageLoader(limits, fetcher=None)
     loop_lag = LoopLagMonitor(on_sample=metrics.loop_lag.set)

@@ -72,8 +72,8 @@ class ChatBackend(Protocol):
 
     def healthy(self) -> bool: ...
 
-    def backlog_ms(self) -> float:
-        """Expected wait before a new request's first token from the work already admitted.
+    def shed_estimate_ms(self) -> float:
+        """The wait a new request faces from the work already admitted, as the pre-body shed judges it.
 
         Checked before the body is even read, so an overloaded gateway sheds with a
         cheap 429 instead of spending its CPU parsing requests it will refuse."""

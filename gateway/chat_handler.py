@@ -50,7 +50,7 @@ from .errors import ApiError, from_exception, from_validation_error, internal_er
 from .generation import Generation
 from .images import ImageLoader
 from .loop_lag import LoopLagMonitor
-from .metrics import GatewayMetrics
+from .http_metrics import HttpMetrics
 from .openai_schema import (
     AssistantMessage,
     ChatCompletion,
@@ -98,7 +98,7 @@ def failure_reason(error: ApiError) -> str:
 
 class ChatHandler:
     def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
-                 images: ImageLoader, metrics: GatewayMetrics, loop_lag: LoopLagMonitor | None = None):
+                 images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None):
         self.settings = settings
         self.loop_lag = loop_lag or LoopLagMonitor()   # not started: reads 0
         self.backend = backend
@@ -237,10 +237,10 @@ class ChatHandler:
         """Refuse before reading the body when the wait so far plus the admitted backlog already
         miss the deadline (cheap, so an overloaded gateway spends little on what it refuses)."""
         ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
-        backlog_ms = self.backend.backlog_ms() + hidden_wait_s * 1000
-        if backlog_ms > ttft_slo_ms:
+        wait_ms = self.backend.shed_estimate_ms() + hidden_wait_s * 1000
+        if wait_ms > ttft_slo_ms:
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
-                                   backlog_ms / 1000.0)
+                                   wait_ms / 1000.0)
 
     def _count_failure(self, exc: BaseException) -> ApiError | None:
         """Count a failed request by reason; return its ``ApiError``, or ``None`` for a bug (500)."""

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from .chat_backend import ChatJob, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError
-from .metrics import GatewayMetrics
+from .http_metrics import HttpMetrics
 
 log = logging.getLogger("epd.gateway")
 
@@ -36,7 +36,7 @@ class Generation:
     """Consumes one backend event stream: counts, detokenizes, stops, times; owns the generator."""
 
     def __init__(self, job: ChatJob, events: AsyncIterator[TokenEvent], detok: IncrementalDetokenizer,
-                 metrics: GatewayMetrics, submitted_s: float):
+                 metrics: HttpMetrics, submitted_s: float):
         self.job = job
         self.events = events
         self.detok = detok

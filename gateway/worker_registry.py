@@ -6,7 +6,7 @@ every ``poll_s``: success marks it healthy and refreshes its load; a failure mar
 it unhealthy at once (routed around) and it is taken back as soon as a poll
 succeeds again. A worker that died is marked within ``poll_s`` plus the slowest
 poll of the previous round (each bounded by its 1 s timeout); a failed RPC marks
-it at once (the orchestrator). A worker restarted on the same address is
+it at once (``gateway/worker_rpc.py``). A worker restarted on the same address is
 reconnected to within about a second (``GRPC_OPTIONS``' reconnect backoff). Workers that vanish from Redis are dropped (their channel is closed once
 this gateway's requests on them have ended: a draining worker leaves Redis first).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,9 +46,7 @@ class WorkerHandle:
     static: bool = False
     healthy: bool = False
     stats: pb.WorkerStats | None = None
-    last_ok: float | None = None
     last_sample: int = 0
-    failures: int = 0
     inflight: int = field(default=0)   # requests this gateway currently has on the worker
     bulk_address: str = ""             # decode: its bulk KV path, learnt from Reserve replies
 
@@ -148,7 +145,6 @@ class WorkerRegistry:
             stats = await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample), timeout=max(1.0, self.poll_s * 2))
         except grpc.aio.AioRpcError:
             h.healthy = False
-            h.failures += 1
             return
         if stats.last_sample < h.last_sample:  # the worker restarted: its sample numbering began again
             h.last_sample = 0
@@ -157,8 +153,6 @@ class WorkerRegistry:
         h.last_sample = stats.last_sample
         h.stats = stats
         h.healthy = stats.serving
-        h.last_ok = time.monotonic()
-        h.failures = 0
 
     def mark_unhealthy(self, role: str, address: str) -> None:
         h = self.workers[role].get(address)
@@ -174,9 +168,6 @@ class WorkerRegistry:
 
     def get(self, role: str, address: str) -> WorkerHandle | None:
         return self.workers[role].get(address)
-
-    def all_stages_healthy(self) -> bool:
-        return all(self.healthy(role) for role in ("encoder", "decode"))
 
     def status(self) -> dict:
         return {role: [h.describe() for h in handles.values()] for role, handles in self.workers.items()}

@@ -101,12 +101,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             sender.start()
             try:
                 first_token = await job.done
-                await sender.wait()              # raises unless decode reports SUCCESS
+                await sender.wait()
             except TransferBroken as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
-            transfer_ms = ((sender.done_at or time.monotonic()) - (sender.first_send_at or started)) * 1000
-            return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent,
-                                      prefill_ms=job.compute_ms, transfer_ms=transfer_ms)
+            # the timings travel on decode's first TokenEvent (the last chunk carries prefill_ms)
+            return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent)
         finally:
             self.in_flight -= 1
             if job is not None and not job.done.done():

@@ -97,7 +97,7 @@ class InProcessBackend:
     def healthy(self) -> bool:
         return self.is_healthy
 
-    def backlog_ms(self) -> float:
+    def shed_estimate_ms(self) -> float:
         return 0.0
 
     def status(self) -> dict:

@@ -1,11 +1,12 @@
 """Decode leases across processes: a colocated request released during its embedding fetch, and
 the decode settings that bound what a peer can hold (``EPD_MAX_LEASE_S``, ``EPD_BULK_IDLE_TIMEOUT_S``).
 
-Real processes: one encoder whose every encode first waits ``STALL_MS`` (the built-in
-``stall_encoder_ms`` fault: the window), one decode worker. This process plays the
-gateway and the prefill worker: it computes the second prompt's KV with
-``VLMAdapter.prefill`` and pushes it over ``Decode.PushKV``. References are
-``model.generate()`` of a model loaded here.
+Real processes: one encoder whose every Encode call, a lookup by key included, first
+waits ``STALL_MS`` (the built-in ``stall_encoder_ms`` fault: the window), one decode
+worker. This process plays the gateway (it encodes the first prompt's image, bytes and
+all, before the decode worker fetches it by key) and the prefill worker: it computes the
+second prompt's KV with ``VLMAdapter.prefill`` and pushes it over ``Decode.PushKV``.
+References are ``model.generate()`` of a model loaded here.
 """
 
 from __future__ import annotations
@@ -119,10 +120,13 @@ async def test_colocated_request_released_during_its_fetch_never_writes_the_next
         digest_a, digest_b = token_digest(ids_a, [key_a]), token_digest(ids_b, [key_b])
         reaped_before = (await stub.Stats(pb.StatsRequest(), timeout=5)).lease_reaped_total
 
+        ref_a = pb.ImageRef(cache_key=key_a, encoder_address=encoder)
+        await enc_stub.Encode(pb.EncodeRequest(request_id="a", images=[pb.EncodeImage(ref=ref_a, data=png_a)]),
+                              timeout=20)   # as the gateway does: the bytes go to the encoder only
         res_a = (await _reserve(stub, ids_a, digest_a, _deadline_ms(15))).reservation
         call_a = stub.Generate(pb.GenerateRequest(
             request_id="a", reservation=res_a, max_tokens=MAX_TOKENS, deadline_unix_ms=_deadline_ms(15), colocated=True,
-            token_ids=ids_a, images=[pb.ImageRef(cache_key=key_a, data=png_a, encoder_address=encoder)], chunk_tokens=8),
+            token_ids=ids_a, images=[ref_a], chunk_tokens=8),
             timeout=20)
         task_a = asyncio.ensure_future(call_a.initial_metadata())
         end = time.monotonic() + 5

@@ -44,13 +44,26 @@ def encoders(tmp_path_factory):
 async def encode(address: str, data: bytes) -> pb.EncodedImage:
     async with grpc.aio.insecure_channel(address) as ch:
         resp = await pb_grpc.EncoderStub(ch).Encode(
-            pb.EncodeRequest(request_id="t", images=[pb.ImageRef(data=data)], return_embeddings=True), timeout=30)
+            pb.EncodeRequest(request_id="t", images=[pb.EncodeImage(data=data)], return_embeddings=True), timeout=30)
     return resp.images[0]
 
 
 async def computes(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as ch:
         return (await pb_grpc.EncoderStub(ch).Stats(pb.StatsRequest(), timeout=5)).computes
+
+
+async def counters(address: str) -> tuple[int, int]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        s = await pb_grpc.EncoderStub(ch).Stats(pb.StatsRequest(), timeout=5)
+    return s.computes, s.cache_hits
+
+
+async def encode_image(address: str, image: pb.EncodeImage) -> pb.EncodedImage:
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await pb_grpc.EncoderStub(ch).Encode(
+            pb.EncodeRequest(request_id="t", images=[image], return_embeddings=True), timeout=30)
+    return resp.images[0]
 
 
 async def test_image_encoded_by_a_is_a_hit_for_b(encoders):
@@ -83,3 +96,41 @@ async def test_gateway_style_cached_probe(encoders):
     async with grpc.aio.insecure_channel(b.address) as ch:
         resp = await pb_grpc.EncoderStub(ch).Cached(pb.CachedRequest(cache_keys=[key, "0" * 64]), timeout=5)
     assert list(resp.cached) == [True, False]
+
+
+async def test_a_fetch_by_key_returns_the_embedding_and_is_no_cache_hit(encoders):
+    """What a prefill or decode worker sends: the key alone. It reads the entry; it is no hit (a hit
+    is a client image that did not need encoding), and a key no cache holds is NOT_FOUND."""
+    a, b = encoders
+    first = await encode(a.address, fresh_png(4))
+    before = await counters(b.address)
+    fetched = await encode_image(b.address, pb.EncodeImage(ref=pb.ImageRef(cache_key=first.cache_key)))
+    assert fetched.embedding.data == first.embedding.data
+    assert await counters(b.address) == before, "a fetch by key counted as a compute or a hit"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await encode_image(b.address, pb.EncodeImage(ref=pb.ImageRef(cache_key="0" * 64)))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_cached_key_is_served_without_decoding_the_bytes_again(encoders):
+    """With bytes and a key, the encoder looks the key up first: a hit never decodes the bytes (here
+    cut short, so decoding them would fail). The key is read on trust only: what gets written is
+    still keyed by what the bytes decode to (next test)."""
+    a, b = encoders
+    data = fresh_png(5)
+    first = await encode(a.address, data)
+    computes_before, hits_before = await counters(b.address)
+    again = await encode_image(b.address, pb.EncodeImage(ref=pb.ImageRef(cache_key=first.cache_key), data=data[:20]))
+    assert again.cache_hit and again.embedding.data == first.embedding.data
+    assert await counters(b.address) == (computes_before, hits_before + 1)
+
+
+async def test_a_key_that_does_not_match_the_bytes_is_refused_on_a_miss_and_nothing_is_written(encoders):
+    a, _ = encoders
+    wrong = "f" * 64
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await encode_image(a.address, pb.EncodeImage(ref=pb.ImageRef(cache_key=wrong), data=fresh_png(6)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    async with grpc.aio.insecure_channel(a.address) as ch:
+        assert list((await pb_grpc.EncoderStub(ch).Cached(pb.CachedRequest(cache_keys=[wrong]), timeout=5)).cached) \
+            == [False]

@@ -121,6 +121,20 @@ def test_a_repeated_image_is_a_cache_hit_and_skips_the_encode(stack):
     assert checks[2].get("true", 0) - checks[1].get("true", 0) == 1
 
 
+def test_one_new_image_is_one_compute_and_no_cache_hit(stack):
+    """A cache hit is a client image that did not need encoding: the prefill worker's fetch of the
+    embedding by key (this stack has no Redis, so it asks the encoder) is no hit."""
+    before = status(stack)["encoder"][0]
+    part, answer = image_part(404)
+    r = httpx.post(f"{stack}/v1/chat/completions", timeout=60, json={
+        "model": "demo-vlm", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].strip() == answer
+    after = status(stack)["encoder"][0]
+    assert (after["computes"] - before["computes"], after["cache_hits"] - before["cache_hits"]) == (1, 0)
+
+
 def test_text_only_request_skips_the_encoder(stack):
     before = status(stack)["encoder"][0]
     r = httpx.post(f"{stack}/v1/chat/completions", timeout=30, json={

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import secrets
 import socket
 import struct
@@ -31,7 +30,6 @@ import openai
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 from pydantic import SecretStr
 
 from cluster import DEMO_MODEL, ROOT, Cluster, free_port, worker_env
@@ -300,9 +298,7 @@ def _prefill_request(decode_address: str, bulk_address: str = "", images=()) -> 
 
 
 def _image_ref(encoder_address: str) -> pb.ImageRef:
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8)).save(buf, "PNG")
-    return pb.ImageRef(cache_key=f"key-{uuid.uuid4().hex}", data=buf.getvalue(), encoder_address=encoder_address)
+    return pb.ImageRef(cache_key=f"key-{uuid.uuid4().hex}", encoder_address=encoder_address)
 
 
 async def _prefill(stack, request: pb.PrefillRequest) -> grpc.aio.AioRpcError:

@@ -11,7 +11,7 @@ dup_chunk=p         prefill a KV chunk is sent twice
 delay_chunk_ms=x    prefill each chunk is delayed by x ms before sending
 fail_transfer=p     prefill the KV stream is broken off before the last chunk
 crash_prefill=p     prefill the prefill process exits mid-prefill (os._exit)
-stall_encoder_ms=x  encoder each encode waits x ms first
+stall_encoder_ms=x  encoder each Encode call (a lookup by key too) waits x ms first
 delay_step_ms=x     decode  each scheduler step (decode tokens, colocated prefill chunks)
                             waits x ms before its forward (a slow decode worker)
 seed=n              all     seeds the coin flips (reproducible tests)

@@ -27,16 +27,14 @@ class SamplingParams(_message.Message):
     def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "data", "encoder_address", "cache_salt")
+    __slots__ = ("cache_key", "encoder_address", "cache_salt")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
-    data: bytes
     encoder_address: str
     cache_salt: str
-    def __init__(self, cache_key: _Optional[str] = ..., data: _Optional[bytes] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
@@ -104,15 +102,23 @@ class WorkerStats(_message.Message):
     max_batch_configured: int
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ...) -> None: ...
 
+class EncodeImage(_message.Message):
+    __slots__ = ("ref", "data")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ref: ImageRef
+    data: bytes
+    def __init__(self, ref: _Optional[_Union[ImageRef, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "return_embeddings")
+    __slots__ = ("request_id", "return_embeddings", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    IMAGES_FIELD_NUMBER: _ClassVar[int]
     RETURN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     return_embeddings: bool
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., return_embeddings: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[EncodeImage]
+    def __init__(self, request_id: _Optional[str] = ..., return_embeddings: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[EncodeImage, _Mapping]]] = ...) -> None: ...
 
 class EncodedImage(_message.Message):
     __slots__ = ("cache_key", "cache_hit", "tokens", "embedding")
@@ -335,15 +341,11 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., decode_bulk_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "chunks_sent", "bytes_sent", "prefill_ms", "transfer_ms")
+    __slots__ = ("first_token", "chunks_sent", "bytes_sent")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     chunks_sent: int
     bytes_sent: int
-    prefill_ms: float
-    transfer_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...

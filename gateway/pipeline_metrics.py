@@ -1,4 +1,9 @@
-"""Prometheus metrics the orchestration layer owns (HTTP-level ones live in metrics.py)."""
+"""Prometheus metrics of the pipeline behind the HTTP layer: admission, placement, KV handoffs,
+failure actions, image cache checks, stage queue depths.
+
+They live in prometheus_client's process-wide ``REGISTRY`` (one pipeline per gateway process),
+which ``/metrics`` renders after the app's own HTTP metrics (``gateway.http_metrics``).
+"""
 
 from __future__ import annotations
 

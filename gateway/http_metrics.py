@@ -1,10 +1,10 @@
-"""HTTP-level Prometheus metrics of the gateway.
+"""The gateway's HTTP-level Prometheus metrics: what clients saw (TTFT, ITL, end to end, outcomes).
 
 All live in one ``CollectorRegistry`` owned by the app (no module globals), so
 several apps — tests — can coexist. ``/metrics`` renders that registry and
 then the ``extra`` registries — by default prometheus_client's process-wide
-``REGISTRY``, which holds the orchestrator's metrics (``epd:queue_depth`` ...)
-and the process collectors.
+``REGISTRY``, which holds the pipeline's metrics (``gateway.pipeline_metrics``:
+``epd:queue_depth`` ...) and the process collectors.
 
 =====================================================  =========  ============================
 name                                                   kind       labels
@@ -33,7 +33,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.
 FAILURE_REASONS = ("client_error", "refused", "deadline", "backend", "cancelled", "internal")
 
 
-class GatewayMetrics:
+class HttpMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, extra: Sequence[CollectorRegistry] = (REGISTRY,)):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.extra = [r for r in extra if r is not self.registry]

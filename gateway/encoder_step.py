@@ -1,0 +1,91 @@
+"""A request's images up to the encoder cache: content keys, which are cached, encoding the rest.
+
+``plan`` (before admission) picks the least loaded encoder, computes each image's
+salted content key and asks that encoder which are cached — only for keys this
+gateway has sent before (``seen_images``); a never-seen image counts as a miss until
+``Encode`` reports. ``encode`` (after admission) sends the images with their bytes
+to that encoder unless every one is known cached; the encoder computes only the misses.
+
+The bytes travel once, here. What Prefill and Generate carry is ``ImagePlan.refs``:
+key, salt and encoder address, no bytes; the worker fetches the embedding by key.
+Salted keys everywhere (seen_images, Cached, Encode, the breakdown's hit count): a
+request learns about cached images only within its own salt, never another tenant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from cache.keys import image_content_key
+from proto.epd.v1 import epd_pb2 as pb
+
+from . import pipeline_metrics as m
+from .chat_backend import AdmissionRefused, ChatJob
+from .seen_images import SeenImages
+from .worker_rpc import WorkerRpc
+from .worker_registry import WorkerHandle, WorkerRegistry
+
+
+@dataclass(slots=True)
+class ImagePlan:
+    """One request's images as the pipeline sees them (all lists in the request's image order)."""
+
+    keys: list[str] = field(default_factory=list)        # salted content keys
+    refs: list[pb.ImageRef] = field(default_factory=list)  # what Prefill and Generate carry: no bytes
+    checked: list[bool] = field(default_factory=list)    # asked with Cached (seen before); else Encode tells
+    cached: list[bool] = field(default_factory=list)     # known cached before Encode
+    encoder: WorkerHandle | None = None                  # None: no images
+
+    @property
+    def n_cached(self) -> int:
+        return sum(self.cached)
+
+    @property
+    def needs_encode(self) -> bool:
+        return self.encoder is not None and self.n_cached < len(self.refs)
+
+
+class EncoderStep:
+    def __init__(self, registry: WorkerRegistry, rpc: WorkerRpc, seen_images: SeenImages):
+        self.registry = registry
+        self.rpc = rpc
+        self.seen_images = seen_images
+
+    async def plan(self, job: ChatJob) -> ImagePlan:
+        """Keys and cache knowledge for ``job``'s images; 503 when they have no encoder to go to."""
+        if not job.images:
+            return ImagePlan()
+        encoders = self.registry.healthy("encoder")
+        if not encoders:
+            m.ADMISSION_REJECTED.labels("no_encoder_workers").inc()
+            raise AdmissionRefused(503, "no healthy encoder worker", 1.0)
+        encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
+        fp, digest, salt = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest, job.cache_salt
+        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest, salt) for im in job.images])
+        checked = [self.seen_images.seen(k) for k in keys]
+        found = await self.rpc.cached(encoder, [k for k, c in zip(keys, checked) if c])
+        for k, c in zip(keys, checked):
+            if c:
+                m.ENCODER_CACHE_CHECKS.labels(str(k in found).lower()).inc()
+        refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt) for k in keys]
+        return ImagePlan(keys, refs, checked, [k in found for k in keys], encoder)
+
+    async def encode(self, job: ChatJob, plan: ImagePlan, breakdown: dict[str, float]) -> None:
+        """Encode what is not known cached (the encoder writes the cache); record it in ``breakdown``."""
+        if not plan.refs:
+            return
+        if not plan.needs_encode:
+            breakdown["encode_ms"] = 0.0
+            breakdown["images_cache_hit"] = float(len(plan.refs))
+            return
+        t0 = time.monotonic()
+        images = [pb.EncodeImage(ref=ref, data=im.data) for ref, im in zip(plan.refs, job.images)]
+        resp = await self.rpc.encode(plan.encoder, job, images)
+        breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
+        breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
+        for was_checked, image in zip(plan.checked, resp.images):
+            if not was_checked:
+                m.ENCODER_CACHE_CHECKS.labels(str(bool(image.cache_hit)).lower()).inc()
+        self.seen_images.add(plan.keys)

@@ -1,0 +1,208 @@
+"""A placed request from its reservation to its last token: the attempt/failure loop as a state machine.
+
+States (``HandoffState``), in order; a failure raises out of any of them::
+
+    RESERVING ──> ATTEMPTING ──────────> STREAMING ──> FINISHED
+                    ^      │
+                    │      v
+                  RECOVERING
+
+RESERVING   ``Reserve`` on the chosen decode worker; when that fails because the worker is
+            gone (nothing was sent anywhere yet), once more on the least loaded other one.
+ATTEMPTING  ``run_attempt`` (``gateway/attempt.py``): FIRST_TOKEN -> STREAMING, any other
+            outcome -> RECOVERING.
+RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure policy and carry
+            out its ``RecoveryPlan`` (``gateway/recovery.py``): RETRY / REPREFILL re-arm the
+            held reservation, then close the old stream; OTHER_DECODE releases it and reserves
+            on the new worker; FAIL releases it and raises (503, or 504 past the deadline).
+            Bounded: the policy fails the request after a few attempts.
+STREAMING   yield decode's events; the one with a finish reason ends it (FINISHED).
+
+Who frees what: the reservation is this object's while ``reservation`` is set. An event
+with a finish reason means decode retired the sequence and freed the blocks itself; every
+other end (a failure, a stop string, the client gone) releases it exactly once, in
+``events``' ``finally``, which also settles the last attempt's Prefill RPC and drops the
+gateway's ``inflight`` count on the decode worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from enum import IntEnum
+
+import grpc
+
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.policy.cost_model import CostModel
+from runtime.policy.loads import RequestShape, StageLoads
+from runtime.policy.placement_policy import PlacementDecision
+
+from . import pipeline_metrics as m
+from .attempt import AttemptOutcome, AttemptResult, record_first_event, run_attempt
+from .chat_backend import BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
+from .recovery import Failure, RecoveryPlan, Step, choose_action, least_loaded_decode, plan_recovery
+from .worker_registry import WorkerHandle, WorkerRegistry
+from .worker_rpc import WorkerRpc
+
+log = logging.getLogger("epd.gateway")
+
+# after the last token, how long a Prefill RPC still finishing may take before it is cancelled
+# (decode verified the transfer before its first event, so the reply is normally already in)
+PREFILL_SETTLE_S = 1.0
+
+
+class HandoffState(IntEnum):
+    RESERVING = 0
+    ATTEMPTING = 1
+    RECOVERING = 2
+    STREAMING = 3
+    FINISHED = 4    # the event with a finish reason went out: decode freed the blocks itself
+
+
+class Handoff:
+    def __init__(self, job: ChatJob, shape: RequestShape, decision: PlacementDecision, refs: list[pb.ImageRef],
+                 digest: str, breakdown: dict[str, float], *, registry: WorkerRegistry, rpc: WorkerRpc,
+                 cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int):
+        self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
+        self.registry, self.rpc, self.cost_model, self.chunk_tokens = registry, rpc, cost_model, chunk_tokens
+        self.loads = loads   # the policy's inputs now (gateway/admission.py), for the failure policy
+        decode = registry.get("decode", decision.decode_worker)
+        prefill = registry.get("prefill", decision.prefill_worker) if decision.prefill_worker else None
+        if decode is None or (decision.prefill_worker and prefill is None):
+            raise BackendFailure("the worker chosen for this request left before it got there", 503)
+        self.decode: WorkerHandle = decode
+        self.prefill: WorkerHandle | None = prefill   # None: colocated
+        self.state = HandoffState.RESERVING
+        self.reservation: pb.Reservation | None = None
+        self.result: AttemptResult | None = None      # the current attempt's
+        self.attempts = 0                             # failed attempts so far
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Run the machine; yields the request's events. Close it (``aclose``) to end it early."""
+        self.decode.inflight += 1  # from before Reserve: a handle dropped from discovery keeps its channel while > 0
+        try:
+            while self.state < HandoffState.STREAMING:
+                if self.state is HandoffState.RESERVING:
+                    await self._reserve()
+                elif self.state is HandoffState.ATTEMPTING:
+                    await self._attempt()
+                else:
+                    await self._recover()
+            async for event in self._stream():
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            raise self.rpc.failure("decode", self.decode, exc, self.job, self.state is HandoffState.STREAMING) from exc
+        finally:   # FINISHED, a failure in any state, or closed early (a stop string, the client gone)
+            await self._close()
+
+    # -- states --------------------------------------------------------------------
+    async def _reserve(self) -> None:
+        try:
+            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+        except BackendFailure:
+            moved = await self._replacement_decode()
+            if moved is None:
+                raise
+            self._move_to(moved)
+            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+        self.state = HandoffState.ATTEMPTING
+
+    async def _attempt(self) -> None:
+        self.result = None
+        self.result = await run_attempt(self.rpc, self.job, self.decode, self.prefill, self.reservation, self.refs,
+                                        self.digest, self.chunk_tokens)
+        if self.result.outcome is AttemptOutcome.FIRST_TOKEN:
+            record_first_event(self.result, self.breakdown)
+            self.state = HandoffState.STREAMING
+        else:
+            self.state = HandoffState.RECOVERING
+
+    async def _recover(self) -> None:
+        result = self.result
+        self.attempts += 1
+        m.KV_TRANSFER_FAILED.inc()
+        prefill_gone = result.outcome is AttemptOutcome.PREFILL_LOST and not await self.rpc.alive(self.prefill)
+        decode_gone = result.outcome is AttemptOutcome.DECODE_LOST or not await self.rpc.alive(self.decode)
+        failure = Failure(result.outcome, result.detail, prefill_gone, decode_gone)
+        if prefill_gone:   # confirmed: a prefill whose push broke because the decode worker died is innocent
+            self.registry.mark_unhealthy("prefill", self.prefill.address)
+        if decode_gone:
+            self.registry.mark_unhealthy("decode", self.decode.address)
+        others = [h for h in self.registry.healthy("decode") if h.address != self.decode.address]
+        free_prefill = [h for h in self.registry.healthy("prefill")
+                        if self.prefill is None or h.address != self.prefill.address]
+        action = choose_action(failure, self.attempts, self.shape, self.cost_model, self.loads(), self.decode.address,
+                               (self.job.ttft_deadline_s - time.monotonic()) * 1000)
+        plan = plan_recovery(failure, action, self.decode, self.prefill, others, free_prefill)
+        m.FAILURE_ACTIONS.labels(plan.step.value).inc()
+        log.warning("request %s transfer attempt %d failed (%s); action %s (%s)",
+                    self.job.request_id, self.attempts, failure.detail, plan.step.value, plan.reason)
+        await self._carry_out(plan, failure)
+
+    async def _carry_out(self, plan: RecoveryPlan, failure: Failure) -> None:
+        result = self.result
+        if not plan.step.keeps_reservation:
+            await self.rpc.release(self.decode, self.reservation, self.job, f"transfer failed: {plan.step.value}")
+            self.reservation = None   # released: the close must not release it again
+            result.close_stream()
+        if plan.step is Step.FAIL:
+            if time.monotonic() >= self.job.ttft_deadline_s:
+                raise DeadlineExceeded(f"KV transfer failed and the deadline passed: {failure.detail}")
+            raise BackendFailure(f"KV transfer failed and no recovery fits the time left: {failure.detail}", 503)
+        self.prefill = plan.prefill
+        if plan.step is Step.OTHER_DECODE:
+            self._move_to(plan.decode)
+            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+        else:
+            self.reservation = await self.rpc.rearm(self.decode, self.reservation, self.job)  # blocks kept
+            result.close_stream()   # only now: the old Generate ending first would free the blocks
+        self.state = HandoffState.ATTEMPTING
+
+    async def _stream(self) -> AsyncIterator[TokenEvent]:
+        first = self.result.first
+        if first.finish_reason:
+            self.reservation = None   # the decode worker retired the sequence and freed its blocks itself
+            self.state = HandoffState.FINISHED
+        yield TokenEvent(list(first.token_ids), first.finish_reason or None, self.breakdown)
+        if first.finish_reason:
+            return
+        async for ev in self.result.stream:
+            if ev.finish_reason:
+                self.reservation = None
+                self.state = HandoffState.FINISHED
+            yield TokenEvent(list(ev.token_ids), ev.finish_reason or None)
+            if ev.finish_reason:
+                return
+
+    # -- helpers -------------------------------------------------------------------
+    async def _close(self) -> None:
+        if self.reservation is not None:
+            await self.rpc.release(self.decode, self.reservation, self.job, "request ended")
+            self.reservation = None
+        if self.result is not None:
+            if self.state is not HandoffState.FINISHED:
+                self.result.close_stream()
+            if self.result.prefill is not None:
+                await self.result.prefill.settle(PREFILL_SETTLE_S if self.state is HandoffState.FINISHED else 0.0)
+        self.decode.inflight -= 1
+
+    def _move_to(self, decode: WorkerHandle) -> None:
+        self.decode.inflight -= 1
+        self.decode = decode
+        self.decode.inflight += 1
+
+    async def _replacement_decode(self) -> WorkerHandle | None:
+        """After a failed Reserve: if the decode worker is really gone, mark it and name the least
+        loaded other healthy one (``None``: the failure stands)."""
+        lost = self.decode
+        if await self.rpc.alive(lost):
+            return None
+        self.registry.mark_unhealthy("decode", lost.address)
+        others = [h for h in self.registry.healthy("decode") if h.address != lost.address]
+        if not others:
+            return None
+        m.FAILURE_ACTIONS.labels("other_decode").inc()
+        log.warning("decode worker %s is gone; placing the request on another", lost.address)
+        return least_loaded_decode(others)
