@@ -149,11 +149,12 @@ def test_a_wrong_or_missing_rope_delta_is_not_silent(adapter, prompts):
 
 def test_positions_are_the_models_own_and_the_same_without_weights(adapter, prompts):
     """The family's plan is ``get_rope_index`` of the loaded model, and a config-only family
-    (what the gateway builds) computes exactly the same positions and delta."""
+    (what the gateway builds) computes exactly the same positions and delta from the processor's grids."""
     config_only = type(adapter.family)(adapter.model.config)
     for name, p in prompts.items():
-        plan = adapter.family.position_plan(p.ids, adapter.embeddings(p.embeddings))
-        again = config_only.position_plan(p.ids, config_only_embeddings(config_only, p.embeddings))
+        grids = [e.grid for e in adapter.embeddings(p.embeddings)]
+        plan = adapter.family.position_plan(p.ids, grids)
+        again = config_only.position_plan(p.ids, [tuple(g) for g in p.inputs.get("image_grid_thw", torch.empty(0, 3)).tolist()])
         assert torch.equal(plan.positions, again.positions) and plan.rope_delta == again.rope_delta
         if "image_grid_thw" in p.inputs:
             with torch.inference_mode():
@@ -163,10 +164,6 @@ def test_positions_are_the_models_own_and_the_same_without_weights(adapter, prom
             assert torch.equal(plan.positions, ref[:, 0]) and plan.rope_delta == int(delta), name
         else:
             assert torch.equal(plan.positions, torch.arange(len(p.ids)).expand(3, -1)) and plan.rope_delta == 0
-
-
-def config_only_embeddings(family, tensors):
-    return [family.from_tensor(t) for t in tensors]
 
 
 def test_deepstack_levels_are_applied_per_chunk(adapter, family, prompts):

@@ -184,7 +184,7 @@ class VLMAdapter:
         deepstack = None
         if images and images[0].deepstack is not None:
             deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
-        plan = self.family.position_plan(token_ids, images)
+        plan = self.family.position_plan(token_ids, [e.grid for e in images])
         return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack)
 
     @torch.inference_mode()

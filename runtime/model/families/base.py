@@ -15,8 +15,9 @@ family (one ``ModelFamily`` per loaded model) for the rest:
 * ``image_grid`` / ``image_tokens``: the processor's real rule for how many
   placeholder tokens an image of a given size expands to (dynamic resolution);
 * ``check_placeholders``: that the prompt's placeholders match the images;
-* ``position_plan(token_ids, images)``: position ids of a prompt, computed once
-  where the prompt is prepared: ``None`` for 1-D RoPE families (position =
+* ``position_plan(token_ids, grids)``: position ids of a prompt from its token ids
+  and each image's grid (nothing else: the gateway, which has no weights and no
+  embeddings, computes the same plan), once where the prompt is prepared: ``None`` for 1-D RoPE families (position =
   sequence index), ``[3, T]`` for M-RoPE, plus the per-sequence ``rope_delta``
   decode needs (a decode step at sequence position ``p`` uses 3-D position
   ``p + rope_delta`` on all three axes).
@@ -140,8 +141,8 @@ class ModelFamily(ABC):
             return f"prompt has {placeholders} image placeholder tokens but {len(images)} images give {features}"
         return None
 
-    def position_plan(self, token_ids: Sequence[int], images: Sequence[ImageEmbedding]) -> PositionPlan:
-        """Positions of the prompt ``token_ids`` whose images are ``images`` (placeholders already checked)."""
+    def position_plan(self, token_ids: Sequence[int], grids: Sequence[tuple[int, int, int] | None]) -> PositionPlan:
+        """Positions of the prompt ``token_ids`` whose images have ``grids`` (placeholders already checked)."""
         return PositionPlan(None, 0)
 
     def describe(self) -> str:

@@ -30,7 +30,11 @@ _DROPPED = "video_processor"
 
 
 def image_only_class(processor_class: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """``processor_class`` without its video processor attribute (same behaviour for text and images)."""
+    """``processor_class`` without its video processor attribute (same behaviour for text and images).
+
+    Call it once per class, where the family is defined (a module constant), so every load
+    gives instances of one class.
+    """
 
     base_attributes = [a for a in processor_class.get_attributes() if a != _DROPPED]
 
@@ -45,17 +49,24 @@ def image_only_class(processor_class: type[ProcessorMixin]) -> type[ProcessorMix
                 if k == "chat_template" or k in base_attributes or not isinstance(v, (dict, list))}
         return keep, instantiation_kwargs
 
+    def to_dict(self) -> dict[str, Any]:
+        out = processor_class.to_dict(self)
+        out["processor_class"] = processor_class.__name__   # saved, it names the real class
+        return out
+
     return type(f"ImageOnly{processor_class.__name__}", (processor_class,), {
         "__doc__": f"{processor_class.__name__} without a video processor (images and text only).",
         "__module__": __name__,
+        "real_class": processor_class,
         "get_attributes": classmethod(get_attributes),
         "get_processor_dict": classmethod(get_processor_dict),
+        "to_dict": to_dict,
     })
 
 
-def load_image_only_processor(path: str | Path, processor_class: type[ProcessorMixin]) -> Any:
-    """The checkpoint's processor as ``processor_class`` minus the video processor; logs that it did so."""
-    processor = image_only_class(processor_class).from_pretrained(str(path))
+def load_image_only_processor(path: str | Path, image_only: type[ProcessorMixin]) -> Any:
+    """The checkpoint's processor as ``image_only`` (from ``image_only_class``); logs that it did so."""
+    processor = image_only.from_pretrained(str(path))
     log.info("loaded %s for %s without its video processor (needs torchvision; images and text only)",
-             processor_class.__name__, path)
+             image_only.real_class.__name__, path)
     return processor

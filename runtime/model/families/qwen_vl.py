@@ -41,7 +41,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan, placeholder_runs
-from .image_only_processor import load_image_only_processor
+from .image_only_processor import image_only_class, load_image_only_processor
 
 MAX_ASPECT_RATIO = 200   # smart_resize's own limit
 
@@ -67,7 +67,7 @@ class _RopeIndexOwner:
 class QwenVLFamily(ModelFamily):
     name = "Qwen2-VL"
     position_kind = PositionKind.MROPE
-    processor_class: type = Qwen2VLProcessor
+    processor_class: type = image_only_class(Qwen2VLProcessor)
     model_class: type = Qwen2VLModel
 
     def __init__(self, config: Any, model: Any = None):
@@ -146,23 +146,25 @@ class QwenVLFamily(ModelFamily):
                     f"{len(images)} images give {sum(wanted)} tokens {wanted}")
         return None
 
-    def position_plan(self, token_ids: Sequence[int], images: Sequence[ImageEmbedding]) -> PositionPlan:
+    def position_plan(self, token_ids: Sequence[int], grids: Sequence[tuple[int, int, int] | None]) -> PositionPlan:
+        if any(g is None or len(g) != 3 for g in grids):
+            raise ValueError(f"{self.name} positions need every image's (t, h, w) grid, got {list(grids)}")
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         token_types = (ids == self.image_token_id).int()
-        grids = torch.tensor([list(e.grid) for e in images], dtype=torch.long) if images else None
-        positions, delta = self._rope.get_rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=grids)
+        image_grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
+        positions, delta = self._rope.get_rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw)
         return PositionPlan(positions[:, 0].cpu(), int(delta.reshape(-1)[0]))
 
 
 class Qwen25VLFamily(QwenVLFamily):
     name = "Qwen2.5-VL"
-    processor_class = Qwen2_5_VLProcessor
+    processor_class = image_only_class(Qwen2_5_VLProcessor)
     model_class = Qwen2_5_VLModel
 
 
 class Qwen3VLFamily(QwenVLFamily):
     name = "Qwen3-VL"
-    processor_class = Qwen3VLProcessor
+    processor_class = image_only_class(Qwen3VLProcessor)
     model_class = Qwen3VLModel
 
     def _levels(self, out: Any) -> list[Sequence[torch.Tensor]]:
