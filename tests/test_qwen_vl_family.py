@@ -150,6 +150,14 @@ def test_storage_layout_is_one_tensor_carrying_grid_and_levels(adapter):
             adapter.family.from_tensor(wrong)
 
 
+def test_an_image_encodes_the_same_alone_or_in_a_batch(adapter):
+    """The encoder batches images of different requests: an image's embedding must not depend on its batch."""
+    images = [noise_image(100, 30, 2), noise_image(33, 77, 3), noise_image(128, 128, 4)]
+    together = adapter.encode(images)
+    for image, batched in zip(images, together):
+        torch.testing.assert_close(adapter.encode([image])[0], batched, rtol=1e-4, atol=1e-5)   # float noise only
+
+
 def test_llava_layout_refuses_a_qwen_entry():
     demo = families.family_for(VLMAdapter.load(DEMO_MODEL).model.config)
     with pytest.raises(EmbeddingFormatError):
