@@ -22,8 +22,11 @@ from transformers import (
     LlavaConfig,
     LlavaNextConfig,
     MistralConfig,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2VLConfig,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
 )
 
 from gateway.prompt import PromptBuilder
@@ -76,7 +79,12 @@ def test_adapter_and_prompt_builder_refuse_before_loading_anything(tmp_path, nam
 
 
 @pytest.mark.parametrize("config, architecture, why", [
-    (lambda: Qwen2VLConfig(), "Qwen2VLForConditionalGeneration", "M-RoPE"),
+    (lambda: Qwen3VLMoeConfig(), "Qwen3VLMoeForConditionalGeneration", "mixture-of-experts"),
+    (lambda: Qwen2VLConfig(), "Qwen2_5_VLForConditionalGeneration", "not a family"),   # architecture vs model_type
+    (lambda: Qwen2VLConfig(text_config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "mrope_section": [16, 24, 24]}}),
+     "Qwen2VLForConditionalGeneration", "rope_type 'dynamic' is not supported with M-RoPE"),
+    (lambda: Qwen2VLConfig(text_config={"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}),
+     "Qwen2VLForConditionalGeneration", "sliding"),
     (lambda: LlamaConfig(), "LlamaForCausalLM", "not a family"),
     (lambda: LlavaConfig(text_config=MistralConfig().to_dict()), "LlavaForConditionalGeneration", "sliding-window"),
     (lambda: LlavaConfig(text_config=Qwen2Config(use_sliding_window=True, max_window_layers=1).to_dict()), None,
@@ -108,6 +116,17 @@ def test_the_demo_model_and_the_internvl_test_config_pass(tmp_path):
     check_checkpoint(checkpoint(tmp_path, tiny_internvl(), "InternVLForConditionalGeneration",
                                 {"image_processor_type": "GotOcr2ImageProcessor", "crop_to_patches": False}))
     assert PromptBuilder.from_pretrained(DEMO_MODEL).context_length == 4096
+
+
+@pytest.mark.parametrize("config, architecture", [
+    (lambda: Qwen2VLConfig(text_config={"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}),
+     "Qwen2VLForConditionalGeneration"),   # the legacy rope_scaling of the published Qwen2-VL checkpoints
+    (lambda: Qwen2_5_VLConfig(), "Qwen2_5_VLForConditionalGeneration"),
+    (lambda: Qwen3VLConfig(), "Qwen3VLForConditionalGeneration"),
+], ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_qwen_vl_families_pass(tmp_path, config, architecture):
+    """Issue 17: M-RoPE is accepted for the Qwen-VL families (and still refused for a LLaVA decoder, above)."""
+    check_checkpoint(checkpoint(tmp_path, config(), architecture))
 
 
 @pytest.mark.parametrize("name", REFUSED)

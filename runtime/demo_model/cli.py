@@ -1,4 +1,5 @@
-"""``epd demo-model``: build the shipped demo VLM (trained) or the bench config (random)."""
+"""``epd demo-model``: build the shipped demo VLM (trained), the bench config (random), or a tiny
+random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl``, for tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from .build import build_config, build_processor
+from .qwen_vl import QwenFamily, build_qwen_vl
 from .train import REQUIRED_ACCURACY, TrainPlan, train
 
 
@@ -35,12 +37,23 @@ def build(out: Path, *, bench: bool, seed: int = 0) -> float | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="epd demo-model", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("models/demo-vlm"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default models/demo-vlm, or models/test-FAMILY for --family)")
     parser.add_argument("--bench", action="store_true", help="random-weight ~150M-parameter, 8k-context config")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily)], default="llava",
+                        help="llava: the demo model (trained) or --bench; others: a tiny random-weight test checkpoint")
     args = parser.parse_args(argv)
+    if args.family != "llava" and args.bench:
+        parser.error("--bench builds the LLaVA bench config; it cannot be combined with --family " + args.family)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.out is None:
+        args.out = Path("models/demo-vlm" if args.family == "llava" else f"models/test-{args.family}")
+    if args.family != "llava":
+        build_qwen_vl(args.family, args.out, seed=args.seed)
+        print(f"{args.family} test checkpoint (random weights) written to {args.out}")
+        return 0
     accuracy = build(args.out, bench=args.bench, seed=args.seed)
     if accuracy is not None:
         print(f"demo model written to {args.out}: held-out accuracy {accuracy:.1%}")

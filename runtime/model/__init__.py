@@ -1,1 +1,1 @@
-"""Model execution: the E/P/D split of a Hugging Face VLM (adapter, paged attention, KV block pool, sampling, tensor bytes, the supported-family check). Owns nothing across requests; used by every service."""
+"""Model execution: the E/P/D split of a Hugging Face VLM (adapter, per-family pieces in ``families``, packed batches and prepared prompts, paged attention, KV block pool, sampling, tensor bytes, the supported-family check). Owns nothing across requests; used by every service."""

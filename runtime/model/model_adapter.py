@@ -1,15 +1,18 @@
 """One Hugging Face vision-language model as the three stage functions of E/P/D.
 
-    encode(images)                      -> one embedding tensor per image
+    encode(images)                      -> one embedding tensor per image (the encoder cache's form)
+    prepare(token_ids, embeddings)      -> PreparedPrompt: spliced embeddings, positions, rope delta
     prefill(token_ids, embeddings, n)   -> KV chunk per n tokens ..., then the first token
     decode_step(pool, batch)            -> one next token per sequence
 
 Nothing of the model is re-implemented: the vision tower and projector run
 through the model's own ``get_image_features``, the splice uses its image token
-id, and the decoder layers run as they are with only attention redirected to the
-KV block pool (see ``paged_attention``). Supported families and what a new one
-needs are listed in ARCHITECTURE.md; ``load`` refuses anything else before
-reading weights (``runtime.model.supported_models``).
+id, M-RoPE positions come from the model's own ``get_rope_index``, DeepStack
+features go through the decoder's own ``deepstack_visual_embeds``, and the
+decoder layers run as they are with only attention redirected to the KV block
+pool (see ``paged_attention``). What differs per family lives in
+``runtime.model.families`` (docs/models.md); ``load`` refuses anything else
+before reading weights (``runtime.model.supported_models``).
 """
 
 from __future__ import annotations
@@ -22,25 +25,22 @@ from pathlib import Path
 import blake3
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
-from runtime.model import paged_attention, supported_models
+from runtime.model import families, paged_attention, supported_models
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
+from runtime.model.families import ImageEmbedding, PositionKind
 from runtime.model.kv_pool import KVBlockPool, KVLayout
-from runtime.model.paged_attention import PagedBatch, SequenceSpan
+from runtime.model.packed_batch import DeepStackShare, PackedItem, pack
+from runtime.model.paged_attention import PagedBatch
+from runtime.model.prepared_prompt import PreparedPrompt
 from runtime.model.sampling import SamplingParams, sample_token
+
+__all__ = ["DecodeInput", "DeepStackShare", "FirstToken", "KVChunk", "PackedItem", "PreparedPrompt", "VLMAdapter"]
 
 ACCEPTED_IMAGE_MODES = {"RGB", "RGBA", "L", "LA", "P", "CMYK", "YCbCr"}
 
-
-@dataclass(slots=True)
-class PackedItem:
-    """One sequence's share of a packed forward: new tokens at ``start..start+len``."""
-
-    embeds: torch.Tensor     # [q_len, hidden]
-    start: int               # position of the first new token
-    blocks: list[int]        # block table covering at least start+q_len positions
-    want_logits: bool = True
+ImageInput = torch.Tensor | ImageEmbedding   # a stored embedding (the encoder cache's tensor) or a decoded one
 
 
 @dataclass(slots=True)
@@ -56,6 +56,7 @@ class KVChunk:
 @dataclass(slots=True)
 class FirstToken:
     token_id: int
+    rope_delta: int = 0      # what decode needs for this sequence (M-RoPE; 0 for 1-D families)
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class DecodeInput:
     position: int            # its position in the sequence
     blocks: list[int]
     sampling: SamplingParams
+    rope_delta: int | None = None   # M-RoPE: required (the prompt's delta); 1-D: None
 
 
 class VLMAdapter:
@@ -75,10 +77,11 @@ class VLMAdapter:
         self.device = torch.device(device)
         self.max_images = max_images
         self.max_image_pixels = max_image_pixels
+        self.family = families.family_for(model.config, model)
         text_config = model.config.get_text_config()
         self.text_config = text_config
         self.context_length = int(text_config.max_position_embeddings)
-        self.image_token_id = int(getattr(model.config, "image_token_id", None) or model.config.image_token_index)
+        self.image_token_id = self.family.image_token_id
         self.hidden_size = int(text_config.hidden_size)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.kv_layout = KVLayout(
@@ -104,7 +107,7 @@ class VLMAdapter:
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: str | None = None, **kwargs) -> "VLMAdapter":
         supported_models.check_checkpoint(path)   # before any weights: UnsupportedModel, one line
         torch_dtype = getattr(torch, dtype) if dtype else "auto"
-        processor = AutoProcessor.from_pretrained(path)
+        processor = families.load_processor(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa").to(device)
         adapter = cls(model, processor, device=device, **kwargs)
         adapter.model_fingerprint = model_fingerprint(Path(path), adapter.kv_layout)
@@ -119,34 +122,47 @@ class VLMAdapter:
         w, h = image.size
         if w < 1 or h < 1 or w * h > self.max_image_pixels:
             raise InvalidImage(f"image of {w}x{h} pixels is outside 1..{self.max_image_pixels} pixels")
+        problem = self.family.check_image(w, h)
+        if problem is not None:
+            raise InvalidImage(problem)
         return image.convert("RGB") if image.mode != "RGB" else image
 
     @torch.inference_mode()
     def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
-        """Preprocess + vision tower + projector, batched: one ``[tokens, hidden]`` tensor per image."""
+        """Preprocess + vision tower + projector, batched: one tensor per image in the family's storage
+        layout (``[tokens, hidden]`` for LLaVA-style families; see ``families`` for the others)."""
+        return [self.family.to_tensor(e) for e in self.encode_images(images)]
+
+    @torch.inference_mode()
+    def encode_images(self, images: Sequence[Image.Image]) -> list[ImageEmbedding]:
+        """Like ``encode``, as decoded ``ImageEmbedding`` records (features, grid, DeepStack levels)."""
         if not images:
             return []
         rgb = [self.validate_image(im) for im in images]
-        pixel_values = self.processor.image_processor(rgb, return_tensors="pt")["pixel_values"]
-        return self.encode_pixels(pixel_values)
+        return self.family.encode(self.model, self.processor, rgb, self.kv_layout.dtype, self.device)
 
     @torch.inference_mode()
     def encode_pixels(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        out = self.model.get_image_features(pixel_values=pixel_values.to(self.device, self.kv_layout.dtype), return_dict=True)
-        features = out.pooler_output
-        return [f.reshape(-1, f.shape[-1]).contiguous() for f in features]
+        """The tower on preprocessed fixed-size pixels (LLaVA-style families only)."""
+        embeddings = self.family.encode_pixels(self.model, pixel_values.to(self.device, self.kv_layout.dtype))
+        return [self.family.to_tensor(e) for e in embeddings]
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens of an image of this size: the processor's own rule."""
+        return self.family.image_tokens(self.processor, width, height)
 
     # -- the splice -------------------------------------------------------------
-    def check_prompt(self, token_ids: Sequence[int], image_embeddings: Sequence[torch.Tensor], max_new_tokens: int = 0) -> None:
-        """Raise a typed error when the prompt cannot run: placeholders, image count, length."""
+    def embeddings(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:
+        """Stored tensors (or records) as checked records; ``EmbeddingFormatError`` for a foreign layout."""
+        return [e if isinstance(e, ImageEmbedding) else self.family.from_tensor(e) for e in images]
+
+    def check_prompt(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput], max_new_tokens: int = 0) -> None:
+        """Raise a typed error when the prompt cannot run: image count, placeholders, length."""
         if len(image_embeddings) > self.max_images:
             raise TooManyImages(f"{len(image_embeddings)} images; this server accepts at most {self.max_images} per request")
-        placeholders = sum(1 for t in token_ids if t == self.image_token_id)
-        features = sum(int(e.shape[0]) for e in image_embeddings)
-        if placeholders != features:
-            raise ImagePlaceholderMismatch(
-                f"prompt has {placeholders} image placeholder tokens but {len(image_embeddings)} images give {features}"
-            )
+        problem = self.family.check_placeholders(token_ids, self.embeddings(image_embeddings))
+        if problem is not None:
+            raise ImagePlaceholderMismatch(problem)
         if not token_ids:
             raise AdapterInputError("empty prompt")
         if len(token_ids) + max(max_new_tokens, 1) > self.context_length:
@@ -155,16 +171,31 @@ class VLMAdapter:
             )
 
     @torch.inference_mode()
-    def embed(self, token_ids: Sequence[int], image_embeddings: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Token embeddings with image features spliced into the placeholders: ``[T, hidden]``."""
+    def prepare(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput]) -> PreparedPrompt:
+        """The prompt ready for chunked prefill: spliced embeddings, positions (and rope delta), DeepStack."""
         self.check_prompt(token_ids, image_embeddings)
+        images = self.embeddings(image_embeddings)
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         embeds = self._embed_tokens(ids)
-        if image_embeddings:
-            features = torch.cat([e.to(self.device, embeds.dtype) for e in image_embeddings])
-            mask = (ids == self.image_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(mask, features)
-        return embeds
+        mask = ids == self.image_token_id
+        if images:
+            features = torch.cat([e.features.to(self.device, embeds.dtype) for e in images])
+            embeds = embeds.masked_scatter(mask.unsqueeze(-1), features)
+        deepstack = None
+        if images and images[0].deepstack is not None:
+            deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
+        plan = self.family.position_plan(token_ids, [e.grid for e in images])
+        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack)
+
+    @torch.inference_mode()
+    def embed(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput]) -> torch.Tensor:
+        """Token embeddings with image features spliced into the placeholders: ``[T, hidden]``.
+
+        Only for 1-D families, whose chunks need nothing else; the others must use ``prepare``.
+        """
+        if self.family.position_kind != PositionKind.ONE_D:
+            raise TypeError(f"{self.family.describe()}: embeddings alone lose the positions; use prepare()")
+        return self.prepare(token_ids, image_embeddings).embeds
 
     def embed_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self._embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
@@ -173,38 +204,28 @@ class VLMAdapter:
     @torch.inference_mode()
     def forward_packed(self, pool: KVBlockPool, items: Sequence[PackedItem]) -> list[torch.Tensor | None]:
         """Run all items' new tokens as one packed row; write their KV; return last-token logits."""
-        spans, new_slots, positions, offset = [], [], [], 0
-        for item in items:
-            q_len = item.embeds.shape[0]
-            end = item.start + q_len
-            context = pool.runs(item.blocks, 0, end)
-            spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context]))
-            for pos, slot, length in context:   # the new tokens' own slots: the context's tail
-                if pos + length > item.start:
-                    new_slots.extend(range(slot + max(0, item.start - pos), slot + length))
-            positions.extend(range(item.start, end))
-            offset += q_len
-        slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=self.device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        batch = PagedBatch(pool.kv, slot_mapping, spans)
-        embeds = torch.cat([i.embeds for i in items]).unsqueeze(0)
+        row = pack(pool, items, self.family.position_kind, self.device)
+        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans)
+        extra = {}
+        if row.deepstack is not None:
+            extra = {"visual_pos_masks": row.visual_mask, "deepstack_visual_embeds": row.deepstack}
         with paged_attention.paged_forward():
             hidden = self._decoder(
-                inputs_embeds=embeds, position_ids=position_ids.unsqueeze(0), use_cache=False, epd_batch=batch
+                inputs_embeds=row.embeds, position_ids=row.position_ids, use_cache=False, epd_batch=batch, **extra
             ).last_hidden_state[0]
         wanted = [i for i, item in enumerate(items) if item.want_logits]
         results: list[torch.Tensor | None] = [None] * len(items)
         if wanted:
-            last = hidden[[spans[i].q_offset + spans[i].q_len - 1 for i in wanted]]
+            last = hidden[[row.spans[i].q_offset + row.spans[i].q_len - 1 for i in wanted]]
             logits = self._lm_head(last).float()
-            for row, i in enumerate(wanted):
-                results[i] = logits[row]
+            for r, i in enumerate(wanted):
+                results[i] = logits[r]
         return results
 
     def prefill(
         self,
         token_ids: Sequence[int],
-        image_embeddings: Sequence[torch.Tensor],
+        image_embeddings: Sequence[ImageInput],
         chunk_size: int,
         sampling: SamplingParams = SamplingParams(),
         pool: KVBlockPool | None = None,
@@ -215,8 +236,8 @@ class VLMAdapter:
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        embeds = self.embed(token_ids, image_embeddings)
-        n = len(token_ids)
+        prompt = self.prepare(token_ids, image_embeddings)
+        n = len(prompt)
         pool = pool or KVBlockPool(self.kv_layout, num_blocks=-(-n // 16), block_size=16, device=self.device)
         blocks = pool.allocate(n)
         if blocks is None:  # a capacity problem of this worker, not the client's mistake
@@ -224,16 +245,16 @@ class VLMAdapter:
         try:
             for index, start in enumerate(range(0, n, chunk_size)):
                 end = min(n, start + chunk_size)
-                (logits,) = self.forward_packed(pool, [PackedItem(embeds[start:end], start, blocks, want_logits=end == n)])
+                (logits,) = self.forward_packed(pool, [prompt.item(start, end, blocks)])
                 yield KVChunk(index, start, end, pool.read(blocks, start, end).clone())
-            yield FirstToken(sample_token(logits, sampling, n))
+            yield FirstToken(sample_token(logits, sampling, n), prompt.rope_delta)
         finally:
             pool.free(blocks)
 
     def decode_step(self, pool: KVBlockPool, batch: Sequence[DecodeInput]) -> list[int]:
         """One token for every sequence in ``batch`` (any lengths), as one packed forward."""
         embeds = self.embed_tokens([b.token_id for b in batch])
-        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks) for i, b in enumerate(batch)]
+        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items)
         return [sample_token(l, b.sampling, b.position + 1) for l, b in zip(logits, batch)]
 

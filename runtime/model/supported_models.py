@@ -10,20 +10,25 @@ what is wrong and the supported list. Called by every process that loads a
 model or a processor (``VLMAdapter.load``, ``PromptBuilder.from_pretrained``)
 and by ``epd serve`` before it spawns anything.
 
-What the split needs (ARCHITECTURE.md "The split"), per family in ``FAMILIES``:
+What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family in ``FAMILIES``:
 
-* the architecture and its ``model_type``;
-* a vision tower whose ``get_image_features(...).pooler_output`` is one tensor
-  per image (``vision_model_types``), one tile per image (no multi-crop / anyres);
+* the architecture and its ``model_type``, and an implementation of the same
+  name in ``runtime.model.families`` (vision tower, storage layout, placeholder
+  rule, positions);
+* a vision tower of a ``vision_model_types`` type whose features the family
+  turns into one embedding per image, one tile per image (no multi-crop / anyres);
 * a decoder of a ``text_model_types`` type: causal self-attention through
   transformers' attention interface over every layer (no sliding window
   shorter than the context, no cross-attention, no bidirectional image
-  tokens), and 1-D RoPE with a static frequency table (no M-RoPE sections,
-  no sequence-length-dependent "dynamic"/"longrope" scaling, whose frequencies
-  would change with what else is packed into a step).
+  tokens), and RoPE with a static frequency table (no sequence-length-dependent
+  "dynamic"/"longrope" scaling, whose frequencies would change with what else is
+  packed into a step): 1-D for most families, M-RoPE (``mrope_section``, 3-D
+  position ids) only for the families marked ``mrope``.
 
-A new family adds a ``Family`` entry (and its tests in tests/test_model_split.py);
+A new family adds a ``Family`` entry, its ``ModelFamily`` and its tests;
 ``KNOWN_UNSUPPORTED`` only gives a better reason for families we know we lack.
+Video inputs are not served by any family (prompts holding video placeholders
+are refused per request; video-only architectures are refused here).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Family:
     model_type: str
     vision_model_types: frozenset[str]
     text_model_types: frozenset[str]
+    mrope: bool = False      # 3-D M-RoPE positions (and a per-sequence rope delta) instead of 1-D RoPE
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -60,6 +66,12 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"clip_vision_model", "siglip_vision_model"}), frozenset({"llama", "mistral", "qwen2"})),
     Family("InternVL", "InternVLForConditionalGeneration", "internvl",
            frozenset({"internvl_vision"}), frozenset({"llama", "qwen2"})),
+    Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
+           frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
+    Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
+           frozenset({"qwen2_5_vl_vision"}), frozenset({"qwen2_5_vl_text"}), mrope=True),
+    Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", "qwen3_vl",
+           frozenset({"qwen3_vl_vision"}), frozenset({"qwen3_vl_text"}), mrope=True),
 )
 
 # model_type -> why not (yet): only for a clearer message
@@ -69,9 +81,11 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "llava_next": "multi-crop (anyres) image features",
     "llava_next_video": "multi-crop (anyres) image features",
     "llava_onevision": "multi-crop (anyres) image features",
-    "qwen2_vl": "M-RoPE (3-D position ids)",
-    "qwen2_5_vl": "M-RoPE (3-D position ids)",
-    "qwen3_vl": "M-RoPE (3-D position ids)",
+    "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
+    "qwen2_5_omni": "audio and video inputs (thinker-talker)",
+    "qwen3_omni_moe": "audio and video inputs (thinker-talker)",
+    "qwen3_5": "linear-attention (Gated DeltaNet) layers need per-sequence recurrent state",
+    "video_llava": "video inputs",
     "mllama": "cross-attention to the image",
     "idefics2": "perceiver-resampled multi-crop images",
     "idefics3": "multi-crop image splitting",
@@ -79,6 +93,7 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
 }
 
 STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+MROPE_ROPE_TYPES = frozenset({"default", "mrope"})   # "mrope": the legacy rope_scaling type of Qwen2-VL
 
 
 def supported_list() -> str:
@@ -92,15 +107,18 @@ def check_checkpoint(path: str | Path) -> None:
     name too; then the parsed config (defaults filled in) for the details.
     """
     raw, _ = PretrainedConfig.get_config_dict(str(path))
-    family = _family(raw)
-    config = AutoConfig.from_pretrained(str(path))
-    check_config(config, _image_processor_dict(path), family)
+    family = family_of(raw)
+    check_config(load_config(path), _image_processor_dict(path), family)
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(path))
 
 
 def check_config(config: PretrainedConfig, image_processor: Mapping[str, Any] | None = None,
                  family: Family | None = None) -> None:
     """Raise ``UnsupportedModel`` unless ``config`` (and the image processor's settings) fit a family."""
-    family = family or _family(config.to_dict())
+    family = family or family_of(config.to_dict())
     problem = _vision_problem(config, family) or _decoder_problem(config, family)
     if problem is None and image_processor and image_processor.get("crop_to_patches"):
         problem = "image processor crop_to_patches=true (multi-tile images) is not supported; set it to false"
@@ -114,7 +132,8 @@ def _name(raw: Mapping[str, Any]) -> str:
     return f"unsupported model {','.join(architectures)} (model_type {raw.get('model_type')!r})"
 
 
-def _family(raw: Mapping[str, Any]) -> Family:
+def family_of(raw: Mapping[str, Any]) -> Family:
+    """The family whose architecture and model_type ``raw`` (a config dict) has; ``UnsupportedModel`` otherwise."""
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     for family in FAMILIES:
@@ -150,6 +169,10 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
         if not rope:
             continue
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if family.mrope:
+            if rope_type not in MROPE_ROPE_TYPES:
+                return f"rope_type {rope_type!r} is not supported with M-RoPE (only {'/'.join(sorted(MROPE_ROPE_TYPES))})"
+            continue
         if "mrope_section" in rope or "mrope" in str(rope_type):
             return "M-RoPE (mrope_section) position ids are not supported"
         if rope_type not in STATIC_1D_ROPE_TYPES:

@@ -1,0 +1,51 @@
+"""Per-family pieces of the E/P/D split (see ``base.ModelFamily`` for the interface).
+
+``family_for(config)`` picks the implementation for a checkpoint that passed
+``runtime.model.supported_models``; ``load_processor(path)`` is the one way
+every process (gateway, encoder, prefill, decode) loads a checkpoint's processor.
+A new family: a ``ModelFamily`` subclass here, a ``Family`` entry in
+``supported_models.FAMILIES`` with the same name, and identity tests
+(docs/models.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from runtime.model import supported_models
+
+from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan
+from .llava import LlavaStyleFamily
+from .qwen_vl import Qwen3VLFamily, Qwen25VLFamily, QwenVLFamily
+
+IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
+    "LLaVA": LlavaStyleFamily,
+    "InternVL": LlavaStyleFamily,
+    "Qwen2-VL": QwenVLFamily,
+    "Qwen2.5-VL": Qwen25VLFamily,
+    "Qwen3-VL": Qwen3VLFamily,
+}
+
+__all__ = ["EmbeddingFormatError", "ImageEmbedding", "ModelFamily", "PositionKind", "PositionPlan",
+           "family_class", "family_for", "load_processor"]
+
+
+def family_class(config: PretrainedConfig) -> type[ModelFamily]:
+    """The implementation for ``config`` (``UnsupportedModel`` when no family fits)."""
+    family = supported_models.family_of(config.to_dict())
+    return IMPLEMENTATIONS[family.name]
+
+
+def family_for(config: PretrainedConfig, model: Any = None) -> ModelFamily:
+    """The family of ``config``, bound to the loaded ``model`` when there is one."""
+    return family_class(config)(config, model)
+
+
+def load_processor(path: str | Path) -> Any:
+    """The checkpoint's processor, checked first (``UnsupportedModel``) and loadable without torchvision."""
+    supported_models.check_checkpoint(path)
+    config = supported_models.load_config(path)
+    return family_class(config).load_processor(path)
