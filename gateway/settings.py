@@ -6,17 +6,16 @@ Lists (``EPD_ENCODER_ADDRS`` ...) are comma-separated: ``host:port,host:port``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.worker.internal_auth import validate_token
+from runtime.worker.settings import CommaList
 
 MiB = 1 << 20
 
-AddressList = Annotated[list[str], NoDecode]
-NameList = Annotated[list[str], NoDecode]   # comma-separated in the environment
 
 
 class GatewaySettings(BaseSettings):
@@ -48,9 +47,9 @@ class GatewaySettings(BaseSettings):
 
     # orchestration (read by gateway.orchestrator)
     redis_url: str | None = Field(default=None, description="Redis for discovery and the shared encoder cache (unset: static lists, in-process cache)")
-    encoder_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
-    prefill_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the prefill workers (static discovery)")
-    decode_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
+    encoder_addrs: CommaList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
+    prefill_addrs: CommaList = Field(default_factory=list, description="comma-separated host:port of the prefill workers (static discovery)")
+    decode_addrs: CommaList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
     placement: Literal["conditional", "colocated", "disaggregated"] = Field(
         default="conditional", description="gateway: `conditional` (per request, by cost), `colocated` or `disaggregated`")
     prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
@@ -63,22 +62,15 @@ class GatewaySettings(BaseSettings):
         return validate_token(v)
 
     # security (gateway.auth, gateway.media_policy; docs/deploy.md "Security")
-    api_key: NameList = Field(default_factory=list, repr=False, description="gateway: comma-separated API keys; set, `/v1/*` needs `Authorization: Bearer KEY`")
+    api_key: CommaList = Field(default_factory=list, repr=False, description="gateway: comma-separated API keys; set, `/v1/*` needs `Authorization: Bearer KEY`")
     open_metrics_and_status: bool = Field(default=False, description="gateway, with keys: serve `/metrics` and `/status` without a key")
     cache_salt_per_api_key: bool = Field(default=True, description="gateway, with keys: each key is its own encoder-cache namespace")
-    allowed_media_domains: NameList = Field(default_factory=list, description="gateway: comma-separated hostnames image URLs may name (empty: any public host)")
+    allowed_media_domains: CommaList = Field(default_factory=list, description="gateway: comma-separated hostnames image URLs may name (empty: any public host)")
     allow_private_media_urls: bool = Field(default=False, description="gateway: also fetch images from loopback and private addresses")
 
     # per-request caps and prompt building
     max_slo_ms: float = Field(default=120_000.0, gt=0, description="gateway: the largest x-ttft-slo-ms / x-itl-slo-ms a request may send")
     prompt_workers: int = Field(default=4, ge=1, description="gateway: prompts rendered and tokenized at once, each on its own processor copy")
-
-    @field_validator("encoder_addrs", "prefill_addrs", "decode_addrs", "api_key", "allowed_media_domains", mode="before")
-    @classmethod
-    def _split_addresses(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
 
     @field_validator("api_key")
     @classmethod

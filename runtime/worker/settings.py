@@ -10,14 +10,22 @@ import argparse
 import socket
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.worker.internal_auth import validate_token
 
 DEFAULT_PORTS = {"encoder": 50051, "prefill": 50052, "decode": 50053}
 
-AddressList = Annotated[list[str], NoDecode]   # "host:port,host:port", as the gateway's lists
+def split_commas(value: object) -> object:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (from the environment); lists pass through."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+# a list setting, comma-separated in the environment ("host:port,host:port"); the gateway's too
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(split_commas)]
 
 
 class WorkerSettings(BaseSettings):
@@ -61,20 +69,13 @@ class WorkerSettings(BaseSettings):
     # and bulk stream must carry, and the only peers this worker dials (plus the Redis registry)
     internal_token: SecretStr | None = Field(default=None, description="shared secret every worker RPC and bulk KV stream must carry")
     allow_unauthenticated: bool = Field(default=False, description="let a worker listen beyond loopback without a token (trusted networks only)")
-    encoder_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
-    decode_addrs: AddressList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
+    encoder_addrs: CommaList = Field(default_factory=list, description="comma-separated host:port of the encoder workers (static discovery)")
+    decode_addrs: CommaList = Field(default_factory=list, description="comma-separated host:port of the decode workers (static discovery)")
 
     @field_validator("internal_token", mode="before")
     @classmethod
     def _token(cls, v: object) -> SecretStr | None:
         return validate_token(v)
-
-    @field_validator("encoder_addrs", "decode_addrs", mode="before")
-    @classmethod
-    def _split_addresses(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
 
     @field_validator("device")
     @classmethod
