@@ -16,18 +16,15 @@ started so far (static address lists); ``stop`` ends gateways before workers.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-import grpc
 import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from launcher.processes import Process, ProcessSpec, child_env, free_port, grpc_serving, stop_group, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "models" / "demo-vlm"
@@ -35,40 +32,50 @@ DEMO_MODEL = ROOT / "models" / "demo-vlm"
 _SCRUBBED = ("EPD_INTERNAL_TOKEN", "EPD_ALLOW_UNAUTHENTICATED", "EPD_ENCODER_ADDRS", "EPD_PREFILL_ADDRS",
              "EPD_DECODE_ADDRS", "EPD_API_KEY", "EPD_REDIS_URL")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["DEMO_MODEL", "ROOT", "Cluster", "Gateway", "Worker", "free_port", "worker_env"]
 
 
 @dataclass
 class Worker:
     role: str
     address: str
-    proc: subprocess.Popen
-    log_path: Path
+    process: Process
+
+    @property
+    def proc(self):
+        """The OS process (``subprocess.Popen``) of its latest start."""
+        return self.process.popen
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.spec.log_path
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self.process.log()
 
 
 @dataclass
 class Gateway:
     base: str                      # http://127.0.0.1:PORT
-    proc: subprocess.Popen
-    log_path: Path
+    process: Process
+
+    @property
+    def proc(self):
+        return self.process.popen
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self.process.log()
 
 
 def worker_env(token: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a test worker process: the runner's, minus its security settings."""
-    base = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    if token is not None:
-        base["EPD_INTERNAL_TOKEN"] = token
-    return {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra or {})}
+    overlay = {"OMP_NUM_THREADS": "1", **({"EPD_INTERNAL_TOKEN": token} if token is not None else {}), **(extra or {})}
+    return child_env(overlay, drop=_SCRUBBED)
+
+
+def _spec(name: str, cmd: list[str], env: dict[str, str], log_path: Path, stop_timeout_s: float) -> ProcessSpec:
+    # bind_to_parent off: a test may start a worker from an executor thread that ends before it
+    return ProcessSpec(name, cmd, env, log_path, ROOT, stop_timeout_s=stop_timeout_s, bind_to_parent=False)
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
     token: str | None = None       # EPD_INTERNAL_TOKEN of every worker started here
     gateways: list[Gateway] = field(default_factory=list)
+    _restarts: int = 0
 
     def peer_flags(self, role: str) -> list[str]:
         """Discovery for ``role``: the encoder / decode workers already started."""
@@ -87,14 +95,18 @@ class Cluster:
             flags += ["--decode-addrs", ",".join(w.address for w in self.by_role("decode"))]
         return flags
 
-    def start(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Worker:
-        port = free_port()
-        log_path = self.tmp / f"{role}-{port}.log"
+    def start(self, role: str, *extra: str, env: dict[str, str] | None = None, port: int | None = None) -> Worker:
+        """A worker process on a free port, or on ``port`` (a replacement on a dead worker's address)."""
+        if port is None:
+            port = free_port()
+            log_path = self.tmp / f"{role}-{port}.log"
+        else:
+            self._restarts += 1
+            log_path = self.tmp / f"{role}-{port}-restart{self._restarts}.log"
         cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
                "--port", str(port), *self.peer_flags(role), *extra]
-        full_env = worker_env(self.token, env)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=full_env)
-        w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
+        process = Process(_spec(role, cmd, worker_env(self.token, env), log_path, 15.0)).start()
+        w = Worker(role, f"127.0.0.1:{port}", process)
         self.workers.append(w)
         return w
 
@@ -102,14 +114,12 @@ class Cluster:
         """An ``epd gateway`` process on a free port with every worker started so far; ``extra``
         are its flags (``--placement``, ``--prefill-chunk-tokens`` ...). Wait with ``wait_gateways``."""
         port = free_port()
-        log_path = self.tmp / f"gateway-{port}.log"
         addrs = [a for role in ("encoder", "prefill", "decode") if self.by_role(role)
                  for a in (f"--{role}-addrs", ",".join(w.address for w in self.by_role(role)))]
         cmd = [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
                "--port", str(port), *addrs, *extra]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                env=worker_env(self.token, env))
-        gateway = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
+        process = Process(_spec("gateway", cmd, worker_env(self.token, env), self.tmp / f"gateway-{port}.log", 20.0))
+        gateway = Gateway(f"http://127.0.0.1:{port}", process.start())
         self.gateways.append(gateway)
         return gateway
 
@@ -117,58 +127,29 @@ class Cluster:
         """Until every gateway's ``/health`` is 200 (its workers are polled healthy)."""
         end = time.monotonic() + timeout_s
         for g in self.gateways:
-            while True:
-                if g.proc.poll() is not None:
-                    raise RuntimeError(f"gateway exited early:\n{g.log()}")
-                try:
-                    if httpx.get(f"{g.base}/health", timeout=1, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > end:
-                    raise TimeoutError(f"gateway at {g.base} not healthy:\n{g.log()}")
-                time.sleep(0.2)
+            _wait(partial(_health_ok, g.base), g.process, end, f"gateway at {g.base}")
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
         end = time.monotonic() + timeout_s
         for w in self.workers:
-            while True:
-                if w.proc.poll() is not None:
-                    raise RuntimeError(f"{w.role} exited early:\n{w.log()}")
-                if _serving(w.address):
-                    break
-                if time.monotonic() > end:
-                    raise TimeoutError(f"{w.role} at {w.address} not healthy:\n{w.log()}")
-                time.sleep(0.2)
+            _wait(partial(grpc_serving, w.address), w.process, end, f"{w.role} at {w.address}")
 
     def by_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
 
     def stop(self) -> None:
-        for g in self.gateways:    # first: a gateway must not outlive the workers it is draining into
-            if g.proc.poll() is None:
-                g.proc.terminate()
-        for g in self.gateways:
-            try:
-                g.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                g.proc.kill()
-                g.proc.wait()
-        for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
+        """Gateways first (a gateway must not outlive the workers it is draining into), then workers."""
+        stop_group([g.process for g in self.gateways])
+        stop_group([w.process for w in self.workers])
 
 
-def _serving(address: str) -> bool:
+def _health_ok(base: str) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
+        return httpx.get(f"{base}/health", timeout=1, trust_env=False).status_code == 200
+    except httpx.HTTPError:
         return False
+
+
+def _wait(probe, process: Process, end: float, what: str) -> None:
+    """``wait_serving`` with the whole log in the error (a test failure should show everything)."""
+    wait_serving(probe, [process], max(0.0, end - time.monotonic()), what, poll_s=0.2, log_lines=10**6)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -32,7 +30,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster import DEMO_MODEL, ROOT, Cluster, Worker, worker_env
+from cluster import Cluster, Worker
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
@@ -72,17 +70,7 @@ class Workers:
         return {**ENV, **(LONG_LEASES if role == "decode" else {})}
 
     def start(self, role: str, *extra: str, port: int | None = None) -> Worker:
-        if port is None:
-            return self.cluster.start(role, "--redis-url", REDIS_URL, *extra, env=self._env(role))
-        self._n += 1
-        log_path = self.cluster.tmp / f"{role}-{port}-restart{self._n}.log"
-        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
-               "--port", str(port), "--redis-url", REDIS_URL, *self.cluster.peer_flags(role), *extra]
-        env = worker_env(self.cluster.token, self._env(role))
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
-        w = Worker(role, f"127.0.0.1:{port}", proc, log_path)
-        self.cluster.workers.append(w)
-        return w
+        return self.cluster.start(role, "--redis-url", REDIS_URL, *extra, env=self._env(role), port=port)
 
     def live(self, role: str) -> list[Worker]:
         return [w for w in self.cluster.by_role(role) if w.proc.poll() is None]
