@@ -27,13 +27,12 @@ import secrets
 import socket
 import sys
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
 from runtime.worker.settings import WorkerSettings
 
+from .processes import accepting, free_port, grpc_serving
 from .restart_policy import RestartPolicy
 from .serve_settings import ServeSettings
 from .supervisor import Child, ChildSpec, Supervisor, install_stop_signals
@@ -42,30 +41,6 @@ WORKER_HOST = "127.0.0.1"        # workers are reached by the local gateway only
 ROLES = ("encoder", "prefill", "decode")
 EXE = [sys.executable, "-m", "launcher.cli"]
 STOP_GRACE_S = 5.0               # beyond a child's own drain timeout before it is killed
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _accepting(host: str, port: int) -> bool:
-    connect_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    try:
-        with socket.create_connection((connect_host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
@@ -134,7 +109,7 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
 def plan_addresses(args: argparse.Namespace) -> dict[str, list[str]]:
     """Every worker's address, fixed before any starts (a restart reuses it)."""
     counts = {"encoder": args.encoders, "prefill": args.prefills, "decode": args.decodes}
-    return {role: [f"{WORKER_HOST}:{_free_port(WORKER_HOST)}" for _ in range(counts[role])] for role in ROLES}
+    return {role: [f"{WORKER_HOST}:{free_port(WORKER_HOST)}" for _ in range(counts[role])] for role in ROLES}
 
 
 def child_environments(args: argparse.Namespace, addrs: dict[str, list[str]],
@@ -174,7 +149,7 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--metrics-port", str(worker.metrics_port + n)]
             if role == "decode" and worker.bulk_port:
                 argv += ["--bulk-port", str(worker.bulk_port + i)]
-            specs.append(ChildSpec(role, address, argv, env, functools.partial(_serving, address),
+            specs.append(ChildSpec(role, address, argv, env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1
     return specs
@@ -183,7 +158,7 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
 def gateway_spec(args: argparse.Namespace, gateway: GatewaySettings, env: dict[str, str]) -> ChildSpec:
     argv = [*EXE, "gateway", "--model", args.model, "--served-model-name", args.served_model_name,
             "--host", args.host, "--port", str(args.port), "--placement", args.placement]
-    return ChildSpec("gateway", f"{args.host}:{args.port}", argv, env, functools.partial(_accepting, args.host, args.port),
+    return ChildSpec("gateway", f"{args.host}:{args.port}", argv, env, functools.partial(accepting, args.host, args.port),
                      stop_group=0, stop_timeout_s=gateway.drain_timeout_s + STOP_GRACE_S)
 
 
@@ -202,7 +177,7 @@ def main(argv: list[str]) -> int:
         print("epd serve: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     if args.port == 0:
-        args.port = _free_port(args.host)
+        args.port = free_port(args.host)
     problem = _cannot_listen(args.host, args.port)
     if problem:   # found now, not after every worker has loaded and the gateway crashed five times
         print(f"epd serve: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
@@ -223,5 +198,5 @@ def _print_table(args: argparse.Namespace, children: list[Child]) -> None:
     print(f"OpenAI API: http://{args.host}:{args.port}/v1   (status: http://{args.host}:{args.port}/status)\n")
     print(f"{'role':<9}{'address':<24}pid")
     for c in children:
-        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.proc.pid}")
+        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.process.pid}")
     print("\nCrashed processes are restarted. Ctrl-C to stop.", flush=True)

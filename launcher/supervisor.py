@@ -23,9 +23,7 @@ Rules:
 
 from __future__ import annotations
 
-import ctypes
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,16 +31,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TextIO
 
+from .processes import Process, ProcessSpec, stop_group
 from .restart_policy import ExitHistory, RestartPolicy
-
-PR_SET_PDEATHSIG = 1
-
-
-def _bind_to_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the stop path still stops the children
 
 
 class ChildState(IntEnum):
@@ -67,19 +57,30 @@ class ChildSpec:
     stop_group: int = 1            # lower groups are stopped first
     stop_timeout_s: float = 30.0   # SIGTERM, then SIGKILL after this long
 
+    def process_spec(self) -> ProcessSpec:
+        """Its own process group, and the parent-death signal (launcher/processes.py)."""
+        return ProcessSpec(f"{self.role} at {self.address}", self.argv, self.env,
+                           stop_timeout_s=self.stop_timeout_s, own_group=True)
+
 
 @dataclass
 class Child:
     spec: ChildSpec
     history: ExitHistory
-    proc: subprocess.Popen | None = None
     state: ChildState = ChildState.STARTING
     restart_at: float = 0.0
-    starts: int = 0
+    process: Process = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.process = Process(self.spec.process_spec())
+
+    @property
+    def starts(self) -> int:
+        return self.process.starts
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process.alive()
 
 
 def describe_exit(code: int) -> str:
@@ -143,9 +144,8 @@ class Supervisor:
             self._shutdown()
 
     def _spawn(self, c: Child) -> None:
-        c.proc = subprocess.Popen(c.spec.argv, env=c.spec.env, preexec_fn=_bind_to_parent, process_group=0)
+        c.process.start()
         c.state = ChildState.STARTING
-        c.starts += 1
 
     def _tend(self, c: Child) -> None:
         """One look at a child: restart it when its backoff is over, note readiness, handle an exit."""
@@ -155,9 +155,9 @@ class Supervisor:
         if c.state == ChildState.BACKOFF:
             if now >= c.restart_at and not self._stop_requests:
                 self._spawn(c)
-                self._say(f"restarted {c.spec.role} at {c.spec.address} (pid {c.proc.pid})")
+                self._say(f"restarted {c.spec.role} at {c.spec.address} (pid {c.process.pid})")
             return
-        code = c.proc.poll()
+        code = c.process.poll()
         if code is None:
             if c.state == ChildState.STARTING and c.spec.ready():
                 c.state = ChildState.READY
@@ -188,16 +188,8 @@ class Supervisor:
         """Stop groups in order: SIGTERM, wait (a further stop request cuts the wait), SIGKILL the rest."""
         requests_at_start = self._stop_requests
         for group in sorted({c.spec.stop_group for c in self.children}):
-            members = [c for c in self.children if c.spec.stop_group == group and c.alive]
-            for c in members:
-                c.proc.send_signal(signal.SIGTERM)
-            end = time.monotonic() + max((c.spec.stop_timeout_s for c in members), default=0.0)
-            while any(c.alive for c in members) and time.monotonic() < end and self._stop_requests == requests_at_start:
-                time.sleep(0.05)
-            for c in members:
-                if c.alive:
-                    c.proc.kill()
-                c.proc.wait()
+            members = [c.process for c in self.children if c.spec.stop_group == group]
+            stop_group(members, cut_short=lambda: self._stop_requests != requests_at_start)
         for c in self.children:
             if not c.state.terminal:
                 c.state = ChildState.STOPPED
