@@ -1,4 +1,5 @@
-"""The pieces of bench/sim_vs_real.py that turn a measured run into a simulator run (no stack started)."""
+"""The pieces of bench/sim_vs_real.py that turn a measured run into a simulator run (no stack started:
+bench/sim_prediction.py), and its command line."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import json
 import pytest
 
 from bench.record import RequestRecord
-from bench.sim_vs_real import (
+from bench.sim_prediction import (
     drift,
     measured_metrics,
-    parse_args,
     poisson_workload,
     ratios,
     sampled_tokens,
@@ -20,6 +20,7 @@ from bench.sim_vs_real import (
     trace_from_records,
     with_terms,
 )
+from bench.sim_vs_real import parse_args
 from runtime.policy.service_times import ServiceTimes
 from sim.workload import Workload
 
