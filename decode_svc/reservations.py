@@ -148,7 +148,6 @@ class ReservationTable:
         self.max_lease_s = max_lease_s
         self._by_id: dict[str, Reservation] = {}
         self._ids = itertools.count(1)
-        self.released_total = 0
         self.reaped_total = 0        # released by the lease reaper: a leak somebody else should have freed
 
     # -- check, then commit -----------------------------------------------------
@@ -245,7 +244,6 @@ class ReservationTable:
         res.attempt.landing.clear()
         res.attempt.done.set()
         self.pool.free(res.blocks, owner=res.attempt.owner)
-        self.released_total += 1
         return True
 
     def release_lease(self, lease: Lease, reason: str = "") -> bool:

@@ -104,8 +104,6 @@ class KVSender:
         self._task: asyncio.Task | None = None
         self.bytes_sent = 0
         self.chunks_sent = 0
-        self.first_send_at: float | None = None
-        self.done_at: float | None = None
         self._broken: TransferBroken | None = None   # why our own chunk iterator stopped the stream
 
     def start(self) -> None:
@@ -142,8 +140,6 @@ class KVSender:
                 raise self._broken
             if self._faults.coin("crash_prefill"):
                 os._exit(17)  # injected crash mid-transfer
-            if self.first_send_at is None:
-                self.first_send_at = time.monotonic()
             self.bytes_sent += len(payload)
             self.chunks_sent += 1
             yield chunk, payload
@@ -163,9 +159,7 @@ class KVSender:
                 async with asyncio.timeout(max(0.05, self._timeout_s)):
                     resp = await self._run_bulk()
             except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-                self.done_at = time.monotonic()
                 raise TransferBroken(f"bulk KV stream to {self._bulk_address} failed: {exc!r}") from exc
-            self.done_at = time.monotonic()
             return self._check(resp)
         try:
             resp = await self._stub.PushKV(self._grpc_messages(), timeout=max(0.05, self._timeout_s))
@@ -176,8 +170,6 @@ class KVSender:
             if self._broken is not None:
                 raise self._broken from None
             raise
-        finally:
-            self.done_at = time.monotonic()
         return self._check(resp)
 
     @staticmethod
