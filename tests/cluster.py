@@ -77,6 +77,7 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
     token: str | None = None       # EPD_INTERNAL_TOKEN of every worker started here
     gateways: list[Gateway] = field(default_factory=list)
+    model: Path = DEMO_MODEL       # the checkpoint every process started here serves
 
     def peer_flags(self, role: str) -> list[str]:
         """Discovery for ``role``: the encoder / decode workers already started."""
@@ -90,7 +91,7 @@ class Cluster:
     def start(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Worker:
         port = free_port()
         log_path = self.tmp / f"{role}-{port}.log"
-        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), *self.peer_flags(role), *extra]
         full_env = worker_env(self.token, env)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=full_env)
@@ -105,7 +106,7 @@ class Cluster:
         log_path = self.tmp / f"gateway-{port}.log"
         addrs = [a for role in ("encoder", "prefill", "decode") if self.by_role(role)
                  for a in (f"--{role}-addrs", ",".join(w.address for w in self.by_role(role)))]
-        cmd = [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), *addrs, *extra]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                 env=worker_env(self.token, env))
