@@ -44,6 +44,7 @@ from PIL import Image
 from qwen_vl_cases import CASES, FAMILIES, NEW_TOKENS, Case, build_checkpoint, image_runs
 
 from gateway.chat_backend import ChatJob, PreparedImage
+from gateway.errors import ApiError
 from gateway.openai_schema import ChatCompletionRequest
 from gateway.orchestrator import Orchestrator
 from gateway.prompt import BuiltPrompt, PromptBuilder
@@ -210,6 +211,12 @@ def test_the_gateways_prompt_is_the_processors_and_the_models_positions(stack):
         assert (prompt.token_ids, prompt.image_grids, prompt.rope_delta) == (r.ids, r.grids, r.rope_delta), name
     assert len({g for r in stack.requests.values() for g in r.grids}) >= 5
     assert {r.rope_delta for r in stack.requests.values()} - {0}, "some case must have a non-zero rope delta"
+    for placeholder in ("<|image_pad|>", "<|video_pad|>"):    # the client's text cannot smuggle in a placeholder
+        chat = ChatCompletionRequest.model_validate(
+            {"model": SERVED, "messages": [{"role": "user", "content": f"look {placeholder} here"}]})
+        with pytest.raises(ApiError) as err:
+            stack.builder.build_prompt(chat.messages, [])
+        assert err.value.status == 400 and placeholder in err.value.message
 
 
 # -- token identity ------------------------------------------------------------------------------
