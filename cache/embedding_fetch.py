@@ -9,6 +9,12 @@ with a clean 503 that names the fetch, and the client may retry (its retry
 re-sends the bytes). Chosen over a transparent re-encode, which would need the
 bytes to ride along on every Prefill and Generate for a rare miss.
 
+A fetched entry must also be this request's image as this model stores it
+(``checked_embeddings``): the model's storage layout (``EmbeddingFormatError``) and,
+for M-RoPE families, the grid the gateway put in the ref (``ImageRef.grid_thw``, the
+processor's ``image_grid_thw`` row). Anything else is a stale or foreign cache entry,
+the same failure as a missing one (``StaleEmbeddingError``), never the client's 400.
+
 An encoder named in a ref is dialled only when discovery lists it (``runtime/worker/peers.py``);
 every named address is checked before anything else, so a request naming an unknown
 encoder fails the same way whether or not its embeddings happen to be cached.
@@ -17,7 +23,7 @@ encoder fails the same way whether or not its embeddings happen to be cached.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -26,9 +32,10 @@ from pydantic import SecretStr
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 
+from runtime.model.families import EmbeddingFormatError, ImageEmbedding
 from runtime.worker.internal_auth import open_channel
 from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
-from runtime.worker.wire import tensor_from_pb
+from runtime.worker.wire import ref_grids, tensor_from_pb
 
 log = logging.getLogger("epd.embeddings")
 
@@ -39,6 +46,24 @@ class EmbeddingFetchError(RuntimeError):
 
 class UnknownEncoderError(EmbeddingFetchError):
     """A ref named an encoder discovery does not list: the request's fault, nothing was dialled."""
+
+
+class StaleEmbeddingError(EmbeddingFetchError):
+    """A fetched entry is not the ref's image as this model stores it (another layout or grid)."""
+
+
+def checked_embeddings(decode: Callable[[Sequence[torch.Tensor]], list[ImageEmbedding]],
+                       refs: Sequence[pb.ImageRef], tensors: Sequence[torch.Tensor]) -> list[ImageEmbedding]:
+    """``tensors`` (fetched for ``refs``, in order) as the model's records (``decode``: the adapter's
+    ``embeddings``), each with the grid its ref names; ``StaleEmbeddingError`` otherwise."""
+    try:
+        records = decode(tensors)
+    except EmbeddingFormatError as exc:
+        raise StaleEmbeddingError(f"a fetched embedding is not this model's: {exc}") from exc
+    for ref, grid, record in zip(refs, ref_grids(refs), records):
+        if grid != record.grid:
+            raise StaleEmbeddingError(f"embedding {ref.cache_key} has grid {record.grid}, the request's image {grid}")
+    return records
 
 
 class EmbeddingFetcher:

@@ -15,7 +15,8 @@ valid                                      accepted     TRANSFERRING (or SUCCESS
 =========================================  ===========  =========================
 
 A transfer is SUCCESS only when every chunk ``0..total-1`` is present, the chunks
-cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's token
+cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's rope
+delta (``runtime/worker/rope_delta.py``: absent is an error for M-RoPE models), token
 digest and model fingerprint equal the reservation's. Out-of-order arrival is
 fine. Payload bytes are copied once: from the message buffer into the pool (gRPC), or
 from the socket straight into the pool (the bulk path uses ``admit`` / ``accept`` around
@@ -34,8 +35,10 @@ from enum import Enum
 import torch
 
 from proto.epd.v1 import epd_pb2 as pb
+from runtime.model.families import PositionKind
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.tensor_bytes import dtype_from_name, dtype_name
+from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.transfer_state import TransferState, to_wire
 from runtime.worker.wire import payload_checksum
 
@@ -55,9 +58,11 @@ class ChunkResult:
 
 
 class KVReceiver:
-    def __init__(self, table: ReservationTable, pool: KVBlockPool):
+    def __init__(self, table: ReservationTable, pool: KVBlockPool,
+                 rope_delta: RopeDeltaRule = RopeDeltaRule(PositionKind.ONE_D)):
         self.table = table
         self.pool = pool
+        self.rope_delta = rope_delta   # what the final chunk's delta (or its absence) means for this model
         # chunks by outcome, over both paths (gRPC PushKV and bulk); exported as a counter
         self.outcomes: dict[str, int] = {o.value: 0 for o in ChunkOutcome}
 
@@ -137,6 +142,7 @@ class KVReceiver:
             attempt.first_token = chunk.first_token
             attempt.token_digest = chunk.token_digest
             attempt.model_fingerprint = chunk.model_fingerprint
+            attempt.rope_delta = self.rope_delta.read(chunk)
             attempt.prefill_ms = chunk.prefill_ms or None
         self._maybe_complete(res)
         return ChunkResult(ChunkOutcome.ACCEPTED)
@@ -169,8 +175,11 @@ class KVReceiver:
                 attempt.set_state(TransferState.FAILED, f"token coverage gap or overlap at {cursor}")
                 return
             cursor = end
+        delta_problem = self.rope_delta.problem(res.rope_delta, attempt.rope_delta, "the prefill's final chunk")
         if cursor != res.prompt_tokens:
             attempt.set_state(TransferState.FAILED, f"chunks cover {cursor} of {res.prompt_tokens} tokens")
+        elif delta_problem:
+            attempt.set_state(TransferState.FAILED, delta_problem)
         elif attempt.token_digest != res.token_digest:
             attempt.set_state(TransferState.FAILED, "token digest mismatch between prefill and reservation")
         elif attempt.model_fingerprint != res.model_fingerprint:
@@ -198,7 +207,11 @@ class StreamTally:
             self._detail = result.detail
 
     def reply(self) -> pb.PushKVResponse:
-        state = self._receiver.table.transfer_state(self._reservation_id) if self._reservation_id else None
+        res = self._receiver.table.get(self._reservation_id) if self._reservation_id else None
+        state = None if res is None else res.attempt.state
+        detail = self._detail
+        if not detail and state is TransferState.FAILED:   # every chunk landed, the transfer's verification failed
+            detail = res.attempt.detail
         return pb.PushKVResponse(accepted=self._counts[ChunkOutcome.ACCEPTED],
                                  duplicates=self._counts[ChunkOutcome.DUPLICATE],
-                                 rejected=self._counts[ChunkOutcome.REJECTED], state=to_wire(state), detail=self._detail)
+                                 rejected=self._counts[ChunkOutcome.REJECTED], state=to_wire(state), detail=detail)

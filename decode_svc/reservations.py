@@ -64,6 +64,7 @@ class TransferAttempt:
     first_token: int | None = None
     token_digest: str = ""
     model_fingerprint: str = ""
+    rope_delta: int | None = None                   # the final chunk's (None: it carried none)
     prefill_ms: float | None = None
     bytes_received: int = 0
     first_chunk_at: float | None = None
@@ -92,6 +93,7 @@ class Reservation:
     lease_expires_at: float      # monotonic
     alloc_ms: float
     attempt: TransferAttempt     # the current generation; replaced by ``rearm``
+    rope_delta: int = 0          # the sequence's M-RoPE offset, as reserved (0 for 1-D families)
     created_at: float = field(default_factory=time.monotonic)
     _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
 
@@ -159,7 +161,7 @@ class ReservationTable:
         return Fit.NOW if blocks <= self.pool.free_blocks else Fit.NO_ROOM
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
-                token_digest: str, model_fingerprint: str) -> Reservation | None:
+                token_digest: str, model_fingerprint: str, rope_delta: int = 0) -> Reservation | None:
         """Allocate destination blocks now, or return ``None`` (nothing taken).
 
         The lease ends at ``min(deadline_s, now + max_lease_s) + lease_margin_s``: a caller
@@ -181,6 +183,7 @@ class ReservationTable:
             lease_expires_at=lease_end + self.lease_margin_s,
             alloc_ms=(time.perf_counter() - started) * 1000,
             attempt=TransferAttempt(generation=1, owner=owner),
+            rope_delta=rope_delta,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res

@@ -10,7 +10,10 @@ Queues, in order (moving a sequence from one to the next IS its state change; it
 One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
 budget), so a long colocated prompt is spread across steps instead of stalling
-its neighbours for its whole length. Sequences join and leave only at step
+its neighbours for its whole length. A colocated prompt is a ``PreparedPrompt``
+(embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
+decode token carries its sequence's ``rope_delta`` (M-RoPE: position = index +
+delta; 0 for 1-D families), verified before the sequence was handed over. Sequences join and leave only at step
 boundaries; tokens are pushed to each sequence's queue after every step.
 
 Threading: the forward runs in a worker thread; all bookkeeping happens on the
@@ -34,10 +37,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from runtime.model.kv_pool import KVBlockPool
-from runtime.model.model_adapter import PackedItem, VLMAdapter
+from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SamplingParams, sample_token
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
@@ -67,10 +68,11 @@ class Sequence:
     prompt_len: int
     max_tokens: int
     sampling: SamplingParams
+    rope_delta: int = 0                # M-RoPE offset of every token after the prompt (verified; 0 for 1-D)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: list[int] = field(default_factory=list)
-    # colocated prefill state: prompt embeddings still to run, from `prefilled` on
-    prompt_embeds: torch.Tensor | None = None
+    # colocated prefill state: the prompt still to run, from `prefilled` on
+    prompt: PreparedPrompt | None = None
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
     first_step_ms: float | None = None
@@ -120,11 +122,11 @@ class DecodeScheduler:
             self._running.append(seq)
         self._wake.set()
 
-    def insert_colocated(self, seq: Sequence, prompt_embeds: torch.Tensor, chunk_tokens: int | None = None) -> None:
+    def insert_colocated(self, seq: Sequence, prompt: PreparedPrompt, chunk_tokens: int | None = None) -> None:
         """Prefill here, at most ``chunk_tokens`` (default: the step's token budget) per step."""
         if self._lease_lost(seq):
             return
-        seq.prompt_embeds = prompt_embeds
+        seq.prompt = prompt
         seq.prefill_chunk = chunk_tokens
         seq._status = DecodeStatus.PREFILLING
         self._prefilling.append(seq)
@@ -243,16 +245,17 @@ class DecodeScheduler:
                 continue
             seq.first_step_ms = step_ms
             self._prefilling.remove(seq)
-            seq.prompt_embeds = None
+            seq.prompt = None
             self.insert(seq, token)
 
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         items: list[PackedItem] = []
         if decoding:
             embeds = self.adapter.embed_tokens([s.output[-1] for s in decoding])
-            items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks) for i, s in enumerate(decoding)]
+            items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta)
+                      for i, s in enumerate(decoding)]
         for seq, start, end in chunks:
-            items.append(PackedItem(seq.prompt_embeds[start:end], start, seq.blocks, want_logits=end == seq.prompt_len))
+            items.append(seq.prompt.item(start, end, seq.blocks))
         logits = self.adapter.forward_packed(self.pool, items)
         next_tokens = [sample_token(logits[i], s.sampling, s.next_position + 1) for i, s in enumerate(decoding)]
         first_tokens = []
@@ -284,7 +287,7 @@ class DecodeScheduler:
         if seq in self._prefilling:
             self._prefilling.remove(seq)
         self._cancelling.discard(seq)
-        seq.prompt_embeds = None
+        seq.prompt = None
         seq.events.put_nowait(StepEvent([], end, detail))
         self.on_retire(seq)
 

@@ -26,7 +26,14 @@ the scheduler and the pool check the lease again before any write (see
 ``scheduler.py``, ``runtime/model/kv_pool.py``).
 
 An embedding-fetch failure is this request's, not this worker's: FAILED_PRECONDITION
-with ``epd-failure: embedding_fetch`` (``runtime/worker/rpc_failure.py``), never UNAVAILABLE.
+with ``epd-failure: embedding_fetch`` (``runtime/worker/rpc_failure.py``), never UNAVAILABLE;
+so is a fetched entry whose layout or grid is not the request's image
+(``cache/embedding_fetch.checked_embeddings``).
+
+The rope delta (``runtime/worker/rope_delta.py``): ``Reserve`` records the gateway's (an
+M-RoPE model refuses a Reserve without one); before insertion it must equal the delta of
+the prompt that made the KV: the final chunk's (``kv_receiver.py``), or, colocated, the
+delta of the prompt this worker prepared itself. The sequence then decodes with it.
 """
 
 from __future__ import annotations
@@ -39,16 +46,17 @@ import grpc
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError, checked_embeddings
 from runtime.model.errors import AdapterInputError
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.faults import FaultInjector
+from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.transfer_state import TransferState
-from runtime.worker.wire import sampling_from_pb, token_digest
+from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest
 
 from .kv_receiver import KVReceiver, StreamTally
 from .request_status import DecodeStatus, finish_reason
@@ -83,7 +91,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.faults = faults or FaultInjector("")
         self.timings = TimingLog()
         self.table = ReservationTable(pool, lease_margin_s, max_lease_s)
-        self.receiver = KVReceiver(self.table, pool)
+        self.rope_delta = RopeDeltaRule(adapter.family.position_kind)
+        self.receiver = KVReceiver(self.table, pool, self.rope_delta)
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
@@ -131,6 +140,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens and max_tokens must be >= 1")
         if request.model_fingerprint and request.model_fingerprint != self.adapter.model_fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model fingerprint differs from this decode worker's")
+        rope_delta = self.rope_delta.read(request)
+        problem = self.rope_delta.invalid(rope_delta, "Reserve")
+        if problem:   # absent for an M-RoPE model, or non-zero for a 1-D one
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         tokens = request.prompt_tokens + request.max_tokens
         fit = self.table.can_reserve(request.prompt_tokens, request.max_tokens)
         if fit is Fit.NEVER:
@@ -138,7 +151,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         # the commit right after its check, no await between: it takes the blocks the check saw free
         res = self.table.reserve(
             request.request_id, request.prompt_tokens, request.max_tokens, unix_ms_to_monotonic(request.deadline_unix_ms),
-            request.token_digest, request.model_fingerprint or self.adapter.model_fingerprint) if fit is Fit.NOW else None
+            request.token_digest, request.model_fingerprint or self.adapter.model_fingerprint,
+            rope_delta) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room for {tokens} tokens ({self.pool.free_blocks} free blocks)")
@@ -182,7 +196,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         deadline = min(unix_ms_to_monotonic(request.deadline_unix_ms), res.lease_expires_at)
         arrived = time.monotonic()
         seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
-                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling_from_pb(request.sampling))
+                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling_from_pb(request.sampling),
+                       rope_delta=res.rope_delta)   # the transfer or the colocated prompt must agree before insertion
         keep_reservation = False
         try:
             if request.colocated:
@@ -243,25 +258,30 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def _start_colocated(self, request: pb.GenerateRequest, res: Reservation, lease: Lease, seq: Sequence,
                                deadline: float, context) -> None:
-        """Fetch and embed the prompt, then hand it to the scheduler, only if ``lease`` survived both awaits."""
+        """Fetch the embeddings and prepare the prompt, then hand it to the scheduler, only if ``lease``
+        survived both awaits and the prompt's rope delta is the reservation's."""
         token_ids = list(request.token_ids)
-        keys = [im.cache_key for im in request.images]
-        if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys) != res.token_digest:
+        keys, grids = [im.cache_key for im in request.images], ref_grids(request.images)
+        if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys, grids, res.rope_delta) != res.token_digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
         try:
-            embeddings = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
+            fetched = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
+            embeddings = checked_embeddings(self.adapter.embeddings, request.images, fetched)
         except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/worker/rpc_failure.py
             await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                              f"embedding fetch failed: {exc}")
         if not res.holds(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while fetching embeddings")
         try:
-            embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
+            prompt = await asyncio.to_thread(self.adapter.prepare, token_ids, embeddings)
         except AdapterInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        problem = self.rope_delta.problem(res.rope_delta, prompt.rope_delta, "the prompt's positions")
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         if not self.table.mark_inserted(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while embedding the prompt")
-        self.scheduler.insert_colocated(seq, embeds, chunk_tokens=request.chunk_tokens or None)
+        self.scheduler.insert_colocated(seq, prompt, chunk_tokens=request.chunk_tokens or None)
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
         """The first event's account of the handoff: the transfer as decode saw it (first chunk

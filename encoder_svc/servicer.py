@@ -73,7 +73,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             out = []
             for image in request.images:
                 key, tensor, hit = await self._embedding(image, context)
-                item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=int(tensor.shape[0]))
+                (record,) = self.adapter.embeddings([tensor])   # the stored layout read back (checked)
+                item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=record.tokens, grid_thw=record.grid or ())
                 if request.return_embeddings:
                     item.embedding.CopyFrom(tensor_to_pb(tensor))
                 out.append(item)

@@ -118,7 +118,7 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
             request_id=job.request_id, token_ids=job.token_ids, images=refs, sampling=sampling_to_pb(job.sampling),
             decode_address=decode.address, decode_bulk_address=decode.bulk_address,
             reservation=reservation, chunk_tokens=chunk_tokens,
-            deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest),
+            deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest, rope_delta=job.rope_delta),
             time_left_s(job.ttft_deadline_s))
     first_task = asyncio.ensure_future(anext(stream.__aiter__()))
     result = AttemptResult(AttemptOutcome.FIRST_TOKEN, stream, call, started_at=started)

@@ -23,7 +23,7 @@ Ownership and cancellation, the one rule both sides follow:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from PIL import Image
@@ -50,6 +50,11 @@ class ChatJob:
     # the tenant's encoder-cache namespace: the request's cache_salt, combined with its API key's
     # digest when salting per key (gateway.auth.effective_cache_salt); "" = the shared namespace
     cache_salt: str = ""
+    # M-RoPE families (gateway.prompt.BuiltPrompt): each image's grid (t, h, w), empty or one per
+    # image (None for 1-D families), and the sequence's rope delta from the gateway's position plan.
+    # The workers verify both before insertion, so a job built without them fails loudly, never silently.
+    image_grids: list[tuple[int, int, int] | None] = field(default_factory=list)
+    rope_delta: int = 0
 
 
 @dataclass(slots=True)

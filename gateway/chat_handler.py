@@ -62,7 +62,7 @@ from .openai_schema import (
     ImagePart,
     Usage,
 )
-from .prompt import PromptBuilder
+from .prompt import BuiltPrompt, PromptBuilder
 from .settings import GatewaySettings
 
 log = logging.getLogger("epd.gateway")
@@ -133,9 +133,9 @@ class ChatHandler:
             param = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
             raise ApiError.bad_request(f"{param} must be at most {self.settings.max_tokens_limit}", param, "invalid_value")
         n_images = sum(len(m.image_parts()) for m in chat.messages)
-        if n_images > self.settings.max_images_per_request:
+        if n_images > self.settings.limit_images_per_request:
             raise ApiError.bad_request(
-                f"{n_images} images; this server accepts at most {self.settings.max_images_per_request} per request",
+                f"{n_images} images; this server accepts at most {self.settings.limit_images_per_request} per request",
                 "messages", "too_many_images",
             )
         return chat
@@ -165,7 +165,8 @@ class ChatHandler:
         itl_slo_ms = self._slo(request, ITL_HEADER, self.settings.itl_slo_ms)
         await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        token_ids = await self._build_prompt(chat, images)
+        prompt = await self._build_prompt(chat, images)
+        token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
         sampling = SamplingParams(
             temperature=1.0 if chat.temperature is None else chat.temperature,
@@ -182,6 +183,8 @@ class ChatHandler:
             itl_slo_ms=itl_slo_ms,
             arrival_s=arrival_s,
             cache_salt=effective_cache_salt(chat.cache_salt, request_tenant(request), self.settings.cache_salt_per_api_key),
+            image_grids=prompt.image_grids,
+            rope_delta=prompt.rope_delta,
         )
 
     # -- steps 6-7 ----------------------------------------------------------------------
@@ -219,11 +222,13 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
-    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> list[int]:
-        """Token ids, built in a worker thread; at most ``prompt_workers`` builds run at once. A slot is
-        held until its thread ends, even when the request is cancelled meanwhile (a thread cannot be)."""
+    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
+        """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
+        builds run at once. A slot is held until its thread ends, even when the request is cancelled
+        meanwhile (a thread cannot be)."""
         async with self._prompt_slots:
-            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build, chat.messages, [im.image for im in images]))
+            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build_prompt, chat.messages,
+                                                            [im.image for im in images]))
             try:
                 return await asyncio.shield(build)
             except asyncio.CancelledError:

@@ -1,10 +1,12 @@
 """A request's images up to the encoder cache: content keys, which are cached, encoding the rest.
 
 ``plan`` (before admission) picks the least loaded encoder, computes each image's
-salted content key and asks that encoder which are cached — only for keys this
+salted content key (and names its grid, ``ChatJob.image_grids``) and asks that encoder which are cached — only for keys this
 gateway has sent before (``seen_images``); a never-seen image counts as a miss until
 ``Encode`` reports. ``encode`` (after admission) sends the images with their bytes
-to that encoder unless every one is known cached; the encoder computes only the misses.
+to that encoder unless every one is known cached; the encoder computes only the misses,
+and each image's grid as the encoder made it must be the gateway's (else the two processors'
+settings differ: a 503 before anything is reserved).
 
 The bytes travel once, here. What Prefill and Generate carry is ``ImagePlan.refs``:
 key, salt and encoder address, no bytes; the worker fetches the embedding by key.
@@ -22,7 +24,7 @@ from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
 
 from . import pipeline_metrics as m
-from .chat_backend import AdmissionRefused, ChatJob
+from .chat_backend import AdmissionRefused, BackendFailure, ChatJob
 from .seen_images import SeenImages
 from .worker_rpc import WorkerRpc
 from .worker_registry import WorkerHandle, WorkerRegistry
@@ -33,7 +35,7 @@ class ImagePlan:
     """One request's images as the pipeline sees them (all lists in the request's image order)."""
 
     keys: list[str] = field(default_factory=list)        # salted content keys
-    refs: list[pb.ImageRef] = field(default_factory=list)  # what Prefill and Generate carry: no bytes
+    refs: list[pb.ImageRef] = field(default_factory=list)  # what Prefill and Generate carry: no bytes (key, grid)
     checked: list[bool] = field(default_factory=list)    # asked with Cached (seen before); else Encode tells
     cached: list[bool] = field(default_factory=list)     # known cached before Encode
     encoder: WorkerHandle | None = None                  # None: no images
@@ -69,7 +71,9 @@ class EncoderStep:
         for k, c in zip(keys, checked):
             if c:
                 m.ENCODER_CACHE_CHECKS.labels(str(k in found).lower()).inc()
-        refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt) for k in keys]
+        grids = job.image_grids or [None] * len(keys)
+        refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt, grid_thw=g or ())
+                for k, g in zip(keys, grids)]
         return ImagePlan(keys, refs, checked, [k in found for k in keys], encoder)
 
     async def encode(self, job: ChatJob, plan: ImagePlan, breakdown: dict[str, float]) -> None:
@@ -83,6 +87,11 @@ class EncoderStep:
         t0 = time.monotonic()
         images = [pb.EncodeImage(ref=ref, data=im.data) for ref, im in zip(plan.refs, job.images)]
         resp = await self.rpc.encode(plan.encoder, job, images)
+        for ref, image in zip(plan.refs, resp.images):
+            if list(ref.grid_thw) != list(image.grid_thw):   # this gateway's processor is not the encoder's
+                raise BackendFailure(f"encoder {plan.encoder.address} made image {ref.cache_key[:12]} a grid "
+                                     f"{list(image.grid_thw)}, this gateway's processor {list(ref.grid_thw)}: "
+                                     "their image processor settings differ", 503)
         breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
         breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
         for was_checked, image in zip(plan.checked, resp.images):

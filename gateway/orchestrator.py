@@ -110,7 +110,8 @@ class Orchestrator:
         try:
             await self.encoder_step.encode(job, images, breakdown)
             colocated = decision.placement == "colocated"
-            handoff = Handoff(job, shape, decision, images.refs, token_digest(job.token_ids, images.keys), breakdown,
+            digest = token_digest(job.token_ids, images.keys, job.image_grids, job.rope_delta)
+            handoff = Handoff(job, shape, decision, images.refs, digest, breakdown,
                               registry=self.registry, rpc=self.rpc, cost_model=self.admission.cost_model,
                               loads=lambda: self.admission.loads(shape, self.registry, own_transfer=not colocated),
                               chunk_tokens=self.chunk_tokens)

@@ -8,7 +8,17 @@ the number of feature tokens the encoder will produce (which may depend on the
 image's size), so ``len(token_ids)`` is the true prompt length.
 
 Only the processor (tokenizer + image processor) and the config are loaded;
-the gateway never loads model weights.
+the gateway never loads model weights. The processor comes from the model's
+family (``runtime.model.families.load_processor``: the Qwen-VL processors without
+their video processor, which needs torchvision).
+
+Positions (``build_prompt``): for M-RoPE families (Qwen-VL) the workers need each
+image's vision grid and the sequence's rope delta. Both come from what the
+gateway has, with no weights: the grid from the image processor's own resize rule
+and pixel limits (``family.image_grid``: dynamic resolution), the delta from the
+family's position plan of the token ids and grids (the model's own
+``get_rope_index``). The gateway sends them with the request; prefill and decode
+check theirs against them before a sequence is inserted.
 
 Images of a size seen before skip the image processor: the processor's
 pixels are thrown away here (the encoder computes its own), and only the
@@ -36,14 +46,16 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from PIL import Image
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig
 
-from runtime.model import supported_models
+from runtime.model import families, supported_models
+from runtime.model.families import ModelFamily
 
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart
@@ -54,11 +66,23 @@ from .prompt_bound import TokenFloor
 _TEMPLATE_ROLE = {"developer": "system"}
 
 
+@dataclass(frozen=True, slots=True)
+class BuiltPrompt:
+    """A request's prompt as the workers need it."""
+
+    token_ids: list[int]                                  # placeholders expanded
+    image_grids: list[tuple[int, int, int] | None]        # one per image: (t, h, w) for M-RoPE families, else None
+    rope_delta: int                                       # the position plan's per-sequence offset (0 for 1-D)
+
+
 class PromptBuilder:
-    def __init__(self, processor: Any, context_length: int):
+    def __init__(self, processor: Any, context_length: int, family: ModelFamily | None = None):
+        """``family``: the checkpoint's (config only, no weights); ``None`` is a 1-D RoPE family whose
+        images need no grid (what tests build around a bare processor)."""
         if context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {context_length}")
         self.processor = processor
+        self.family = family
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.decode_tokenizer = copy.deepcopy(self.tokenizer)   # event-loop thread only
         self.context_length = context_length
@@ -70,6 +94,7 @@ class PromptBuilder:
         self.accepts_images = getattr(processor, "image_processor", None) is not None
         self.image_token_id: int | None = (
             self.tokenizer.convert_tokens_to_ids(self.image_token) if self.image_token else None)
+        self.video_token: str | None = getattr(processor, "video_token", None)   # videos are refused
         # (width, height) -> placeholder tokens per image, learnt from the full processor
         self._tokens_per_size: dict[tuple[int, int], int] = {}
         self._shortcut_ok = self.image_token_id is not None
@@ -77,9 +102,9 @@ class PromptBuilder:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "PromptBuilder":
         supported_models.check_checkpoint(path)   # the gateway refuses what the workers would
-        processor = AutoProcessor.from_pretrained(path)
-        text_config = AutoConfig.from_pretrained(path).get_text_config()
-        return cls(processor, int(text_config.max_position_embeddings))
+        processor = families.load_processor(path)
+        config = AutoConfig.from_pretrained(path)
+        return cls(processor, int(config.get_text_config().max_position_embeddings), families.family_for(config))
 
     # -- messages -> text -----------------------------------------------------------
     def template_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -108,6 +133,12 @@ class PromptBuilder:
         if self.image_token and self.image_token in text:
             raise ApiError.bad_request(
                 f"text must not contain the image placeholder {self.image_token!r}; send images as image_url parts",
+                param,
+                "invalid_value",
+            )
+        if self.video_token and self.video_token in text:
+            raise ApiError.bad_request(
+                f"text must not contain the video placeholder {self.video_token!r}; video inputs are not supported",
                 param,
                 "invalid_value",
             )
@@ -202,6 +233,21 @@ class PromptBuilder:
             prompt = self.render(messages, processor)
             self._refuse_unless_fits(self.floor.tokens_at_least([prompt]), "the rendered prompt")
             return self.tokenize(prompt, images, processor)
+
+    def build_prompt(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image]) -> BuiltPrompt:
+        """``build``, with each image's grid and the sequence's rope delta (see the module docstring)."""
+        token_ids = self.build(messages, images)
+        grids, rope_delta = self.positions(token_ids, images)
+        return BuiltPrompt(token_ids, grids, rope_delta)
+
+    def positions(self, token_ids: Sequence[int],
+                  images: Sequence[Image.Image]) -> tuple[list[tuple[int, int, int] | None], int]:
+        """``(grids, rope_delta)`` of a prompt whose placeholders were expanded for ``images``."""
+        if self.family is None:
+            return [None] * len(images), 0
+        # every size here went through the full processor once (``tokenize``), which refuses what it cannot resize
+        grids = [self.family.image_grid(self.processor, *image.size) for image in images]
+        return grids, self.family.position_plan(token_ids, grids).rope_delta
 
     # -- length -----------------------------------------------------------------------
     def check_fits(self, messages: Sequence[ChatMessage]) -> None:

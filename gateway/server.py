@@ -27,6 +27,7 @@ def parse_gateway_args(argv: list[str]) -> GatewaySettings:
     p.add_argument("--decode-addrs", help="comma-separated host:port of decode workers")
     p.add_argument("--placement", choices=["conditional", "colocated", "disaggregated"])
     p.add_argument("--prefill-chunk-tokens", type=int)
+    p.add_argument("--limit-images-per-request", type=int, help="images one request may carry (more: 400)")
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--itl-slo-ms", type=float)
     sec = p.add_argument_group("security", "see docs/deploy.md; each flag overrides its EPD_* variable")

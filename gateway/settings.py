@@ -39,7 +39,7 @@ class GatewaySettings(BaseSettings):
     max_image_bytes: int = Field(default=10 * MiB, ge=1, description="gateway: largest image, bytes")
     max_image_pixels: int = Field(default=4096 * 4096, ge=1, description="gateway: largest image, pixels")
     max_image_side: int = Field(default=16384, ge=1, description="gateway: longest image side, pixels")
-    max_images_per_request: int = Field(default=4, ge=0, description="images one request may carry (the gateway refuses more with 400)")
+    limit_images_per_request: int = Field(default=8, ge=0, description="images one request may carry, counted before any work: more is a 400 (`--limit-images-per-request` on serve, gateway and workers)")
     allow_remote_images: bool = Field(default=True, description="gateway: fetch http(s) image URLs (within the media URL policy)")
     remote_image_timeout_s: float = Field(default=5.0, gt=0, description="gateway: whole-fetch limit for one image URL, seconds")
     max_tokens_limit: int = Field(default=4096, ge=1, description="gateway: largest max_tokens a request may ask for")

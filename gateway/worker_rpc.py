@@ -89,7 +89,8 @@ class WorkerRpc:
             resp = await h.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest,
-                model_fingerprint=h.stats.model_fingerprint), timeout=time_left_s(job.ttft_deadline_s))
+                model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta),
+                timeout=time_left_s(job.ttft_deadline_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 m.ADMISSION_REJECTED.labels("no_decode_capacity").inc()

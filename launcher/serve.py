@@ -10,7 +10,8 @@ gateway first, then drains the workers.
 Every default comes from the settings classes of the processes it configures
 (``WorkerSettings``, ``GatewaySettings``, ``ServeSettings``), so an ``EPD_*`` variable means the
 same to serve as to them, and serve passes a flag to a child only for what it decides itself
-(model, device, listening address). Besides serve's own environment every child gets:
+(model, device, listening address, and ``--limit-images-per-request``, which every process
+must agree on). Besides serve's own environment every child gets:
 
 - ``EPD_ENCODER_ADDRS``, ``EPD_PREFILL_ADDRS``, ``EPD_DECODE_ADDRS``: every worker's address,
   all fixed before the first one starts (a role without workers: the variable is unset);
@@ -76,6 +77,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
                    help="shared encoder cache + discovery; embedded cache when absent (EPD_REDIS_URL)")
     p.add_argument("--placement", choices=["conditional", "colocated", "disaggregated"], default=gateway.placement,
                    help="(EPD_PLACEMENT)")
+    p.add_argument("--limit-images-per-request", type=int, default=gateway.limit_images_per_request,
+                   help="images one request may carry; more is a 400 before any work (EPD_LIMIT_IMAGES_PER_REQUEST)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
     p.add_argument("--restart-backoff-s", type=float, default=serve.restart_backoff_s,
@@ -95,6 +98,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
         p.error("--placement disaggregated needs --prefills >= 1")
     if not 0 <= args.port <= 65535:
         p.error("--port must be in 0..65535")
+    if args.limit_images_per_request < 0:
+        p.error("--limit-images-per-request must be >= 0")
     args.api_key = gateway.api_key if args.api_key is None else args.api_key
     if any(not key or "," in key or key != key.strip() or not key.isprintable() for key in args.api_key):
         p.error("an --api-key must be non-empty printable text without commas or surrounding spaces")
@@ -144,7 +149,7 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
     for role in ROLES:
         for i, address in enumerate(addrs[role]):
             argv = [*EXE, role, "--model", args.model, "--host", WORKER_HOST, "--port", address.rsplit(":", 1)[1],
-                    "--device", args.device]
+                    "--device", args.device, "--limit-images-per-request", str(args.limit_images_per_request)]
             if worker.metrics_port:          # one port each, from the one configured on
                 argv += ["--metrics-port", str(worker.metrics_port + n)]
             if role == "decode" and worker.bulk_port:
@@ -157,7 +162,8 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
 
 def gateway_spec(args: argparse.Namespace, gateway: GatewaySettings, env: dict[str, str]) -> ChildSpec:
     argv = [*EXE, "gateway", "--model", args.model, "--served-model-name", args.served_model_name,
-            "--host", args.host, "--port", str(args.port), "--placement", args.placement]
+            "--host", args.host, "--port", str(args.port), "--placement", args.placement,
+            "--limit-images-per-request", str(args.limit_images_per_request)]
     return ChildSpec("gateway", f"{args.host}:{args.port}", argv, env, functools.partial(accepting, args.host, args.port),
                      stop_group=0, stop_timeout_s=gateway.drain_timeout_s + STOP_GRACE_S)
 

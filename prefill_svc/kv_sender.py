@@ -50,6 +50,7 @@ class FinalChunk:
     total_chunks: int
     first_token: int
     prefill_ms: float             # the prompt's summed compute, for decode's first event
+    rope_delta: int               # the prompt's (0 for 1-D families): decode checks it against the reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ class ChunkFraming:
     request_id: str
     reservation: pb.Reservation
     layout: KVLayout
-    token_digest: str             # of the prompt's token ids and image keys: decode checks it on the last chunk
+    token_digest: str             # of the prompt's ids, image keys and grids, rope delta: decode checks it on the last chunk
     model_fingerprint: str
 
     def header(self, chunk: ReadyChunk) -> pb.KVChunk:
@@ -86,6 +87,7 @@ class ChunkFraming:
             msg.total_chunks, msg.first_token = chunk.final.total_chunks, chunk.final.first_token
             msg.token_digest, msg.model_fingerprint = self.token_digest, self.model_fingerprint
             msg.prefill_ms = chunk.final.prefill_ms
+            msg.rope_delta = chunk.final.rope_delta
         return msg
 
 

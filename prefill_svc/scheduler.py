@@ -9,7 +9,9 @@ forward, so prompts that arrive together are prefilled together. After each
 step, each prompt's finished chunk is read out of the local scratch pool and
 handed to its ``KVSender`` at once as a ``ReadyChunk`` (eager send: this scheduler
 decides what is ready, the sender frames it and moves the bytes); when the last
-chunk is done the first token is sampled and travels with it. Scratch blocks are
+chunk is done the first token is sampled and travels with it, with the prompt's
+rope delta. A job's prompt is a ``PreparedPrompt`` (spliced embeddings, M-RoPE
+positions, DeepStack rows): each chunk is its ``item(start, end, blocks)``. Scratch blocks are
 freed as soon as the last chunk has been read out, on every path (done, cancelled,
 failed).
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.model.kv_pool import KVBlockPool
-from runtime.model.model_adapter import PackedItem, VLMAdapter
+from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SamplingParams, sample_token
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
@@ -37,7 +39,7 @@ log = logging.getLogger("epd.prefill")
 @dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
 class PrefillJob:
     request_id: str
-    embeds: torch.Tensor             # [T, hidden]
+    prompt: PreparedPrompt           # [T] tokens ready to run: embeddings, positions, DeepStack rows
     sampling: SamplingParams
     chunk_tokens: int
     sender: KVSender                 # frames and sends what this job's steps make ready
@@ -51,7 +53,7 @@ class PrefillJob:
 
     @property
     def prompt_len(self) -> int:
-        return int(self.embeds.shape[0])
+        return len(self.prompt)
 
     @property
     def total_chunks(self) -> int:
@@ -134,7 +136,7 @@ class PrefillScheduler:
             if job.cancelled:
                 continue
             last = end == job.prompt_len
-            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms) if last else None
+            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms, job.prompt.rope_delta) if last else None
             job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
@@ -143,7 +145,7 @@ class PrefillScheduler:
                 self._finish(job, None)
 
     def _forward(self, spans):
-        items = [PackedItem(job.embeds[s:e], s, job.blocks, want_logits=e == job.prompt_len) for job, s, e in spans]
+        items = [job.prompt.item(s, e, job.blocks) for job, s, e in spans]
         logits = self.adapter.forward_packed(self.pool, items)
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
         payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]

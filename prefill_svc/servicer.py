@@ -5,6 +5,12 @@ transfer state is SUCCESS) or the transfer failed; the gateway decides what to
 do next from the time the request has left (retry into the held reservation,
 another decode worker, re-prefill elsewhere, or fail).
 
+The prompt is checked before any compute: the token digest against the ids, image keys,
+grids and rope delta the request carries; each fetched embedding against its ref's grid
+(``cache/embedding_fetch.checked_embeddings``: a stale entry is an embedding-fetch failure);
+the prepared prompt's rope delta against the request's (``runtime/worker/rope_delta.py``).
+The final chunk carries that delta (and the digest) for decode to verify.
+
 Peers named in the request (the decode worker, its bulk address, the images' encoders)
 are checked against discovery before any work (``decode_links.py``, ``runtime/worker/peers.py``):
 an unknown one is refused with FAILED_PRECONDITION and never dialled.
@@ -20,14 +26,15 @@ from pydantic import SecretStr
 
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError
+from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError, checked_embeddings
 from runtime.model.errors import AdapterInputError
 from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.faults import FaultInjector
 from runtime.worker.peers import UnknownPeerError
+from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.serving_state import ServingState
-from runtime.worker.wire import sampling_from_pb, token_digest
+from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest
 
 from .decode_links import DecodeLinks
 from .kv_sender import ChunkFraming, KVSender, TransferBroken
@@ -46,6 +53,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.in_flight = 0
         self._token = token
         self.decodes = DecodeLinks(fetcher.peers, token)   # borrows the fetcher's peer directory
+        self.rope_delta = RopeDeltaRule(adapter.family.position_kind)
 
     def busy(self) -> bool:
         return self.in_flight > 0
@@ -62,10 +70,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         timeout_s = remaining if remaining is not None else 600.0
         started = time.monotonic()
         token_ids = list(request.token_ids)
-        keys = [im.cache_key for im in request.images]
-        digest = token_digest(token_ids, keys)
-        if request.token_digest and request.token_digest != digest:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token digest does not match token ids and image keys")
+        keys, grids = [im.cache_key for im in request.images], ref_grids(request.images)
+        expected_delta = self.rope_delta.read(request)
+        problem = self.rope_delta.invalid(expected_delta, "the request")
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.token_digest and request.token_digest != token_digest(token_ids, keys, grids, expected_delta):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "token digest does not match the token ids, image keys and grids, and rope delta")
         try:
             decode_stub, bulk_address = await self.decodes.resolve(request.decode_address, request.decode_bulk_address,
                                                                    timeout_s)
@@ -78,20 +90,26 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         job = None
         try:
             try:
-                embeddings = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
-                embeds = await asyncio.to_thread(self.adapter.embed, token_ids, embeddings)
+                fetched = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
+                embeddings = checked_embeddings(self.adapter.embeddings, request.images, fetched)
+                prompt = await asyncio.to_thread(self.adapter.prepare, token_ids, embeddings)
             except EmbeddingFetchError as exc:   # the request's images, not this worker (runtime/worker/rpc_failure.py)
                 await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                                  f"embedding fetch failed: {exc}")
             except AdapterInputError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            problem = self.rope_delta.problem(expected_delta, prompt.rope_delta, "the prompt's positions", "the request")
+            if problem:   # the gateway's position plan and this worker's disagree: never send such KV
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            # the digest decode verifies: of what this worker ran, with its own delta
+            digest = token_digest(token_ids, keys, grids, prompt.rope_delta)
             framing = ChunkFraming(request.request_id, request.reservation, self.scheduler.pool.layout, digest,
                                    self.adapter.model_fingerprint)
             sender = KVSender(decode_stub, timeout_s - (time.monotonic() - started), self.faults,
                               bulk_address=bulk_address, bulk_token=self._token, timings=self.scheduler.timings,
                               framing=framing)
             job = PrefillJob(
-                request_id=request.request_id, embeds=embeds, sampling=sampling_from_pb(request.sampling),
+                request_id=request.request_id, prompt=prompt, sampling=sampling_from_pb(request.sampling),
                 chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, sender=sender,
             )
             try:

@@ -85,6 +85,7 @@ class Cluster:
     token: str | None = None       # EPD_INTERNAL_TOKEN of every worker started here
     gateways: list[Gateway] = field(default_factory=list)
     _restarts: int = 0
+    model: Path = DEMO_MODEL       # the checkpoint every process started here serves
 
     def peer_flags(self, role: str) -> list[str]:
         """Discovery for ``role``: the encoder / decode workers already started."""
@@ -103,7 +104,7 @@ class Cluster:
         else:
             self._restarts += 1
             log_path = self.tmp / f"{role}-{port}-restart{self._restarts}.log"
-        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "launcher.cli", role, "--model", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), *self.peer_flags(role), *extra]
         process = Process(_spec(role, cmd, worker_env(self.token, env), log_path, 15.0)).start()
         w = Worker(role, f"127.0.0.1:{port}", process)
@@ -116,7 +117,7 @@ class Cluster:
         port = free_port()
         addrs = [a for role in ("encoder", "prefill", "decode") if self.by_role(role)
                  for a in (f"--{role}-addrs", ",".join(w.address for w in self.by_role(role)))]
-        cmd = [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(DEMO_MODEL), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(self.model), "--host", "127.0.0.1",
                "--port", str(port), *addrs, *extra]
         process = Process(_spec("gateway", cmd, worker_env(self.token, env), self.tmp / f"gateway-{port}.log", 20.0))
         gateway = Gateway(f"http://127.0.0.1:{port}", process.start())

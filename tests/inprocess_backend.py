@@ -124,7 +124,7 @@ class InProcessBackend:
             queued_s = time.monotonic()
             embeddings = await self._run(self.adapter.encode, [im.image for im in job.images]) if job.images else []
             encoded_s = time.monotonic()
-            token = await self._run(self._prefill, job, embeddings, blocks, owner)
+            token, rope_delta = await self._run(self._prefill, job, embeddings, blocks, owner)
             prefilled_s = time.monotonic()
             breakdown = {
                 "queue_ms": (queued_s - called_s) * 1e3,
@@ -143,7 +143,7 @@ class InProcessBackend:
                     raise BackendFailure("decode worker lost (injected)")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                step = DecodeInput(token, position, blocks, job.sampling)
+                step = DecodeInput(token, position, blocks, job.sampling, rope_delta)
                 (token,) = await self._run(self.adapter.decode_step, self.pool, [step])
                 produced += 1
                 position += 1
@@ -164,16 +164,19 @@ class InProcessBackend:
 
         return await asyncio.to_thread(locked)
 
-    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int], owner: int) -> int:
+    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int], owner: int) -> tuple[int, int]:
+        """The first token and the sequence's rope delta (what decode steps need: 0 for 1-D families)."""
         first = None
         for item in self.adapter.prefill(job.token_ids, embeddings, self.prefill_chunk, job.sampling):
             if isinstance(item, KVChunk):
                 self.pool.write(blocks, item.start, item.kv, owner=owner)
             elif isinstance(item, FirstToken):
-                first = item.token_id
+                first = item
         if first is None:
             raise BackendFailure("prefill produced no token")
-        return first
+        if first.rope_delta != job.rope_delta:   # the gateway's position plan must be the model's
+            raise BackendFailure(f"rope delta mismatch: the prompt's {first.rope_delta}, the job's {job.rope_delta}")
+        return first.token_id, first.rope_delta
 
     def _finish(self, token: int, produced: int, job: ChatJob) -> str | None:
         if token in self.adapter.eos_token_ids and not self.ignore_eos:

@@ -227,7 +227,7 @@ async def test_scheduler_retires_a_sequence_whose_lease_is_gone_without_writing(
     servicer, pool = decode.servicer, decode.pool
     table, scheduler = servicer.table, servicer.scheduler
     a, b = prompts[0], prompts[2]
-    embeds_a = adapter.embed(a.ids, [a.embedding])
+    embeds_a = adapter.prepare(a.ids, [a.embedding])   # the PreparedPrompt insert_colocated takes
 
     def sequence(res) -> Sequence:
         return Sequence("a", res.lease, res.blocks, res.prompt_tokens, MAX_TOKENS, SamplingParams())

@@ -205,7 +205,7 @@ CASES = [
     ("unsupported-mode", with_image(data_url(mode_png("I;16"))), 400, "invalid_image", URL_PARAM),
     ("ftp-url", with_image("ftp://example.com/x.png"), 400, "invalid_image_url", URL_PARAM),
     ("too-many-images", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}] * 5}]}, 400, "too_many_images", "messages"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}] * 9}]}, 400, "too_many_images", "messages"),
 ]
 
 
@@ -233,7 +233,7 @@ async def test_image_over_byte_limit(backend, prompts):
 
 
 async def test_fewer_images_allowed_by_setting(backend, prompts):
-    async for client in open_client(make_app(backend, prompts, max_images_per_request=0)):
+    async for client in open_client(make_app(backend, prompts, limit_images_per_request=0)):
         r = await client.post("/v1/chat/completions", json=with_image(GOOD_PNG))
         assert_error(r, 400, "too_many_images")
 

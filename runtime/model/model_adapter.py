@@ -71,7 +71,8 @@ class DecodeInput:
 class VLMAdapter:
     """Owns the loaded model and processor; all methods are inference-only."""
 
-    def __init__(self, model, processor, *, device: str = "cpu", max_images: int = 4, max_image_pixels: int = 4096 * 4096):
+    def __init__(self, model, processor, *, device: str = "cpu", max_images: int = 8, max_image_pixels: int = 4096 * 4096):
+        """``max_images``: a worker passes ``limit_images_per_request`` (default 8, the same as here)."""
         self.model = model.eval()
         self.processor = processor
         self.device = torch.device(device)

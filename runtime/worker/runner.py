@@ -84,7 +84,7 @@ async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
     from runtime.worker.worker_metrics import serve_worker_metrics
 
     adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
-                                      max_images=settings.max_images_per_request)
+                                      max_images=settings.limit_images_per_request)
     servicer = await role.build(settings, adapter)
     try:
         server = WorkerServer(role.name, settings, role.service)

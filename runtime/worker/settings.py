@@ -49,7 +49,7 @@ class WorkerSettings(BaseSettings):
     encoder_batch_window_ms: float = Field(default=3.0, ge=0, description="encoder: how long a batch waits for more images")
     cache_max_mb: int = Field(default=256, ge=1, description="encoder cache: in-process tier bound, MiB")
     cache_ttl_s: int = Field(default=3600, ge=1, description="encoder cache: entry lifetime since last use, seconds")
-    max_images_per_request: int = Field(default=4, ge=0, description="images one request may carry (the gateway refuses more with 400)")
+    limit_images_per_request: int = Field(default=8, ge=0, description="images one request may carry, counted before any work: more is a 400 (`--limit-images-per-request` on serve, gateway and workers)")
     # prefill
     prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
     prefill_max_batch: int = Field(default=8, ge=1, description="prefill: prompts packed into one forward")
@@ -116,6 +116,7 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--metrics-port", type=int)
     p.add_argument("--kv-memory-mb", type=int)
     p.add_argument("--prefill-chunk-tokens", type=int)
+    p.add_argument("--limit-images-per-request", type=int, help="images one request may carry")
     p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
     p.add_argument("--bulk-port", type=int)
     p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")

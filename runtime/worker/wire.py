@@ -53,13 +53,30 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def token_digest(token_ids: Sequence[int], image_keys: Sequence[str]) -> str:
-    """What prefill and decode must agree on before a sequence is inserted."""
+def token_digest(token_ids: Sequence[int], image_keys: Sequence[str],
+                 grids: Sequence[Sequence[int] | None] = (), rope_delta: int | None = 0) -> str:
+    """What prefill and decode must agree on before a sequence is inserted: the token ids, each
+    image's key and (M-RoPE families) grid, and the sequence's rope delta.
+
+    A 1-D family's prompt (no grids, delta 0) digests exactly as before grids existed, so
+    peers that send only ids and keys still agree. ``grids`` is empty or one per image.
+    """
+    if grids and len(grids) != len(image_keys):
+        raise ValueError(f"{len(grids)} grids for {len(image_keys)} images")
     h = blake3.blake3()
     h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
-    for key in image_keys:
+    for i, key in enumerate(image_keys):
         h.update(b"|" + key.encode())
+        if grids and grids[i]:
+            h.update(b"#" + ",".join(str(int(g)) for g in grids[i]).encode())
+    if rope_delta:
+        h.update(b"@" + str(int(rope_delta)).encode())
     return h.hexdigest()[:32]
+
+
+def ref_grids(images: Sequence[pb.ImageRef]) -> list[tuple[int, ...] | None]:
+    """Each ref's ``grid_thw`` (``None`` where it has none: a 1-D family's image)."""
+    return [tuple(int(g) for g in ref.grid_thw) or None for ref in images]
 
 
 def payload_checksum(payload: bytes | memoryview) -> str:
