@@ -8,6 +8,7 @@ never pay for torch or the model.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -43,8 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"epd: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in PROCESSES:
+        warn_unknown_settings(name)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
+
+
+# the commands that read EPD_* settings: each warns about variables no process reads
+PROCESSES = ("serve", "encoder", "prefill", "decode", "gateway")
+
+
+def warn_unknown_settings(command: str) -> None:
+    from launcher.settings_doc import unknown_variables
+
+    for line in unknown_variables(os.environ):
+        print(f"epd {command}: warning: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic.fields import FieldInfo
@@ -33,6 +34,20 @@ SOURCES: list[tuple[str, type[BaseSettings]]] = [
 
 # EPD_* variables that are not settings of a process: read by the image's HEALTHCHECK line
 NOT_SETTINGS = {"EPD_HEALTHCHECK_TARGET"}
+# settings that were renamed: an old name in the environment would otherwise be ignored silently
+RENAMED = {"EPD_MAX_IMAGES_PER_REQUEST": "EPD_LIMIT_IMAGES_PER_REQUEST", "EPD_MAX_IMAGES": "EPD_LIMIT_IMAGES_PER_REQUEST",
+           "EPD_ENCODER_CACHE_MAX_BYTES": "EPD_CACHE_MAX_MB", "EPD_ENCODER_CACHE_TTL_S": "EPD_CACHE_TTL_S"}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One warning line per ``EPD_*`` variable in ``environ`` that no process reads (a typo, or an
+    old name: the settings classes ignore what they do not define)."""
+    known = set(variables()) | NOT_SETTINGS
+    lines = []
+    for name in sorted(k for k in environ if k.startswith("EPD_") and k not in known):
+        hint = f"; it is now {RENAMED[name]}" if name in RENAMED else ""
+        lines.append(f"{name} is not a setting of any epd process and is ignored{hint}")
+    return lines
 
 
 def env_name(settings: type[BaseSettings], field: str) -> str:

@@ -55,3 +55,20 @@ def test_a_new_setting_without_a_description_cannot_be_rendered():
             raise AssertionError("an undocumented setting was rendered")
     finally:
         doc.SOURCES = saved
+
+
+def test_an_unknown_or_renamed_variable_is_named_at_start(tmp_path):
+    """The settings classes ignore variables they do not define; a typo or an old name must not
+    pass silently (an upgrade that renamed a limit would otherwise fall back to its default)."""
+    import subprocess
+    import sys
+
+    from launcher.settings_doc import unknown_variables
+
+    lines = unknown_variables({"EPD_MAX_IMAGES_PER_REQUEST": "3", "EPD_KV_MEMORY_MB": "64", "PATH": "/bin"})
+    assert lines == ["EPD_MAX_IMAGES_PER_REQUEST is not a setting of any epd process and is ignored; "
+                     "it is now EPD_LIMIT_IMAGES_PER_REQUEST"]
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway", "--model", str(tmp_path / "none")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "EPD_KV_MEMROY_MB": "64"})
+    assert "epd gateway: warning: EPD_KV_MEMROY_MB is not a setting of any epd process" in done.stderr
