@@ -63,6 +63,7 @@ from .openai_schema import (
     Usage,
 )
 from .prompt import BuiltPrompt, PromptBuilder
+from .request_journal import RequestJournal, RequestRecord
 from .settings import GatewaySettings
 
 log = logging.getLogger("epd.gateway")
@@ -98,8 +99,10 @@ def failure_reason(error: ApiError) -> str:
 
 class ChatHandler:
     def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
-                 images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None):
+                 images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None,
+                 journal: RequestJournal | None = None):
         self.settings = settings
+        self.journal = journal or RequestJournal()
         self.loop_lag = loop_lag or LoopLagMonitor()   # not started: reads 0
         self.backend = backend
         self.prompts = prompts
@@ -193,6 +196,8 @@ class ChatHandler:
         arrival_s = time.monotonic() - hidden_wait_s
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request.state.request_id = request_id
+        job: ChatJob | None = None
+        generation: Generation | None = None
         try:
             self._shed_if_backlogged(request, hidden_wait_s)
             chat = await self.parse(request)
@@ -207,20 +212,36 @@ class ChatHandler:
                 raise
             log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
                       request_id, len(job.token_ids), len(job.images), job.max_tokens)
-            if chat.stream:
+            if chat.stream:   # the stream records its own end (_sse)
                 return SSEResponse(self._sse(chat, generation, first), media_type="text/event-stream", headers={
                     "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._complete(request, chat, generation, first)
+            response = await self._complete(request, chat, generation, first)
+            self._journal(request_id, job, generation, generation.finish_reason or "stop", 200)
+            return response
         except ClientDisconnected:
             self.metrics.failure.labels(reason="cancelled").inc()
             log.info("request %s: client disconnected, cancelled", request_id)
+            self._journal(request_id, job, generation, "cancelled", 499)
             return Response(status_code=499)  # nobody is listening; for the access log
         except Exception as exc:
             error = self._count_failure(exc)
+            self._journal(request_id, job, generation, "internal" if error is None else failure_reason(error),
+                          500 if error is None else error.status)
             if error is None:
                 raise
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
+
+    def _journal(self, request_id: str, job: ChatJob | None, generation: Generation | None, outcome: str,
+                 status: int) -> None:
+        """The request's one record (``gateway.request_journal``): called once on every path."""
+        breakdown = dict(generation.ttft_breakdown) if generation is not None else {}
+        self.journal.ended(RequestRecord(
+            request_id, outcome, status,
+            placement=job.placement if job else "", placement_reason=job.placement_reason if job else "",
+            prompt_tokens=len(job.token_ids) if job else 0, images=len(job.images) if job else 0,
+            completion_tokens=generation.completion_tokens if generation else 0,
+            ttft_ms=breakdown.get("ttft_ms"), breakdown=breakdown))
 
     async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
         """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
@@ -289,7 +310,7 @@ class ChatHandler:
                                        choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
             return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
-        outcome: str | None = None   # "finished" or "failed"; None at the end means cancelled
+        outcome: str | None = None   # "finished" or a failure reason; None at the end means cancelled
         try:
             yield chunk(Delta(role="assistant", content=""))
             async for text in generation.texts(first):
@@ -304,8 +325,8 @@ class ChatHandler:
                 yield b"data: " + body.model_dump_json().encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # after the headers: the error goes into the stream
-            outcome = "failed"
             error = self._count_failure(exc)
+            outcome = "internal" if error is None else failure_reason(error)
             if error is None:
                 log.exception("request %s failed mid-stream", generation.job.request_id)
             body = error.body() if error is not None else internal_error_body(generation.job.request_id)
@@ -316,6 +337,8 @@ class ChatHandler:
                 self.metrics.failure.labels(reason="cancelled").inc()
                 log.info("request %s: stream closed early (client gone), cancelled", generation.job.request_id)
             await generation.close()
+            ended = (generation.finish_reason or "stop") if outcome == "finished" else (outcome or "cancelled")
+            self._journal(generation.job.request_id, generation.job, generation, ended, 200)
 
 
 class ClientDisconnected(Exception):

@@ -45,6 +45,7 @@ from . import pipeline_metrics as m
 from .admission import GatewayAdmission
 from .chat_backend import AdmissionRefused, ChatJob, TokenEvent
 from .encoder_step import EncoderStep
+from .fit_check import MeasuredTimings
 from .handoff import Handoff
 from .seen_images import SeenImages
 from .settings import GatewaySettings
@@ -57,7 +58,8 @@ class Orchestrator:
         self.settings = settings
         self.admission = GatewayAdmission(settings)   # the cost model, the pressure, the decision
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
-        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self.admission.observe,
+        self.measured = MeasuredTimings()
+        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._on_sample,
                                                    on_refresh=self._publish_queue_depths, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
@@ -83,7 +85,13 @@ class Orchestrator:
         plus ``waiting_first_token``: requests admitted here that have no first token yet."""
         return {**self.registry.status(), "placement_mode": self.settings.placement,
                 "cost_model": self.admission.cost_model.calibration(),
+                "cost_model_vs_measured": self.measured.summary(self.admission.cost_model),
                 "waiting_first_token": self.admission.pressure.waiting}
+
+    def _on_sample(self, role: str, sample) -> None:
+        """A worker's timing sample: it calibrates the cost model, and the dashboard shows both."""
+        self.admission.observe(role, sample)
+        self.measured.add(sample.kind, sample.size, sample.ms)
 
     def _publish_queue_depths(self) -> None:
         """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""
@@ -105,6 +113,7 @@ class Orchestrator:
         if not admission.ok:
             raise self.admission.refusal(admission)
         decision = admission.decision
+        job.placement, job.placement_reason = decision.placement, decision.reason
         ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
         first = True
         try:
