@@ -44,6 +44,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime.worker.tracing import instrument_app
+
 from .auth import install_api_keys
 from .chat_backend import ChatBackend
 from .chat_handler import ChatHandler
@@ -185,6 +187,7 @@ def create_app(
     app.state.prompts = prompts
     app.state.loop_lag = loop_lag
     install_error_handlers(app)
+    instrument_app(app)   # HTTP server spans, when tracing is on (runtime/worker/tracing.py)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:   # added last: the outermost middleware, so nothing runs before the key check
         install_api_keys(app, settings.api_key, settings.open_metrics_and_status, metrics.registry)

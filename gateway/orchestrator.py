@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator
 
 from runtime.policy.loads import RequestShape
+from runtime.worker.tracing import annotate, span
 from runtime.worker.wire import token_digest
 
 from . import pipeline_metrics as m
@@ -105,19 +106,30 @@ class Orchestrator:
             m.ADMISSION_REJECTED.labels("ttft_deadline").inc()
             raise AdmissionRefused(429, "request refused at admission: the TTFT deadline is already past", 1.0)
         breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
-        images = await self.encoder_step.plan(job)
+        rid = {"epd.request_id": job.request_id}
+        annotate(**rid)
+        with span("gateway.cache_check", **rid, **{"epd.images": len(job.images)}):
+            images = await self.encoder_step.plan(job)
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=images.n_cached)
-        admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
+        with span("gateway.admission", **rid, **{"epd.remaining_ms": remaining_ms}) as s:
+            admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
+            if s is not None:
+                s.set_attribute("epd.admitted", admission.ok)
+                s.set_attribute("epd.reason", admission.reason or "")
         if not admission.ok:
             raise self.admission.refusal(admission)
         decision = admission.decision
         job.placement, job.placement_reason = decision.placement, decision.reason
-        ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
+        with span("gateway.placement", **rid, **{"epd.placement": decision.placement,
+                                                 "epd.placement_reason": decision.reason}):
+            ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
+        annotate(**{"epd.placement": decision.placement, "epd.placement_reason": decision.reason})
         first = True
         try:
-            await self.encoder_step.encode(job, images, breakdown)
+            with span("gateway.encode", **rid, **{"epd.images": len(job.images), "epd.images_cached": images.n_cached}):
+                await self.encoder_step.encode(job, images, breakdown)
             colocated = decision.placement == "colocated"
             digest = token_digest(job.token_ids, images.keys, job.image_grids, job.rope_delta)
             handoff = Handoff(job, shape, decision, images.refs, digest, breakdown,

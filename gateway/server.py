@@ -9,6 +9,7 @@ import uvicorn
 
 from runtime.model.supported_models import UnsupportedModel, check_checkpoint
 from runtime.worker.log_format import configure_logging
+from runtime.worker.tracing import setup_tracing, shutdown_tracing
 
 from .app import create_app
 from .orchestrator import Orchestrator
@@ -57,9 +58,13 @@ def main(argv: list[str]) -> int:
         print("epd gateway: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     configure_logging(settings.log_format)
+    setup_tracing("epd-gateway", settings.otlp_traces_endpoint)   # before the app and its channels
     app = create_app(settings, Orchestrator(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                    timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    finally:
+        shutdown_tracing()
     return 0
 
 

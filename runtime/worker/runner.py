@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from runtime.worker.grpc_server import WorkerServer, run_until_signal
 from runtime.worker.internal_auth import exposure_problem
 from runtime.worker.log_format import configure_logging
+from runtime.worker.tracing import setup_tracing, shutdown_tracing
 from runtime.worker.serving_state import ServingState
 from runtime.worker.settings import WorkerSettings
 
@@ -74,8 +75,12 @@ def run_worker(role: WorkerRole, argv: list[str]) -> int:
         print(f"epd {role.name}: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
     configure_logging(settings.log_format)
+    setup_tracing(f"epd-{role.name}", settings.otlp_traces_endpoint)   # before any server or channel
     torch.set_grad_enabled(False)
-    asyncio.run(_serve(role, settings))
+    try:
+        asyncio.run(_serve(role, settings))
+    finally:
+        shutdown_tracing()
     return 0
 
 
