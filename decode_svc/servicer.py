@@ -320,7 +320,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
-                "free_blocks": self.pool.free_blocks, "running_seqs": self.scheduler.running_seqs,
+                "free_blocks": self.pool.free_blocks, "total_blocks": self.pool.num_blocks,
+                "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 

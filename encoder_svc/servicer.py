@@ -121,7 +121,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight,
-                "single_flight_in_flight": self.cache.in_flight}
+                "single_flight_in_flight": self.cache.in_flight, "encoder_computes_total": self.batcher.computes,
+                "encoder_cache_hits_total": self.cache_hits}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return self.state.stats(

@@ -61,7 +61,7 @@ class Orchestrator:
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
         self.measured = MeasuredTimings()
         self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._on_sample,
-                                                   on_refresh=self._publish_queue_depths, token=settings.internal_token)
+                                                   on_refresh=self._publish_gauges, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
         self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages())
@@ -94,10 +94,17 @@ class Orchestrator:
         self.admission.observe(role, sample)
         self.measured.add(sample.kind, sample.size, sample.ms)
 
-    def _publish_queue_depths(self) -> None:
-        """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""
+    def _publish_gauges(self) -> None:
+        """After every poll round: ``epd:queue_depth{stage}`` (what the autoscalers, HPA, scale each
+        stage on), ``epd:healthy_workers{stage}``, and the cost model's fit beside the measured times."""
         for role in ("encoder", "prefill", "decode"):
-            m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in self.registry.healthy(role) if h.stats))
+            healthy = self.registry.healthy(role)
+            m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in healthy if h.stats))
+            m.HEALTHY_WORKERS.labels(role).set(len(healthy))
+        for kind, row in self.measured.summary(self.admission.cost_model).items():
+            if row["samples"]:
+                m.COST_FIT_MS.labels(kind).set(row["fitted_ms"])
+                m.COST_MEASURED_MS.labels(kind).set(row["measured_ms"])
 
     # -- the request ---------------------------------------------------------------
     async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
