@@ -11,7 +11,7 @@ servers and clients, which carries the W3C trace context in each call's metadata
 adds the FastAPI instrumentation to its app (``instrument_app``).
 
 ``span(name, **attributes)`` is the one way epd code opens a span: with tracing off it is
-``contextlib.nullcontext()`` and nothing of OpenTelemetry is imported. Work that runs later on a
+``contextlib.nullcontext()`` and epd imports nothing of OpenTelemetry. Work that runs later on a
 scheduler loop, outside its RPC's context, keeps ``current_context()`` (``None`` when off) and
 passes it as ``parent``.
 """
