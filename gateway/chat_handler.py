@@ -41,14 +41,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from runtime.model.sampling import SamplingParams
-
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
 from .images import ImageLoader
+from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
 from .openai_schema import (
@@ -63,6 +62,7 @@ from .openai_schema import (
     Usage,
 )
 from .prompt import BuiltPrompt, PromptBuilder
+from .sampling_fields import sampling_problem
 from .settings import GatewaySettings
 
 log = logging.getLogger("epd.gateway")
@@ -106,6 +106,7 @@ class ChatHandler:
         self.images = images
         self.metrics = metrics
         self._prompt_slots = asyncio.Semaphore(settings.prompt_workers)   # builds in flight, one processor copy each
+        self.logprob_format = LogprobFormatter(prompts.decode_tokenizer)
 
     # -- steps 1-5: from request to job -------------------------------------------
     async def parse(self, request: Request) -> ChatCompletionRequest:
@@ -168,11 +169,10 @@ class ChatHandler:
         prompt = await self._build_prompt(chat, images)
         token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
-        sampling = SamplingParams(
-            temperature=1.0 if chat.temperature is None else chat.temperature,
-            top_p=1.0 if chat.top_p is None else chat.top_p,
-            seed=chat.seed,
-        )
+        sampling = chat.sampling_params(chat.requested_logprobs)
+        problem = sampling_problem(sampling, max_tokens, len(self.prompts.decode_tokenizer))
+        if problem is not None:
+            raise ApiError.bad_request(problem[1], problem[0], "invalid_value")
         return ChatJob(
             request_id=request_id,
             token_ids=token_ids,
@@ -262,11 +262,13 @@ class ChatHandler:
             content = await _unless_disconnected(request, collect())
         finally:
             await generation.close()
+        logprobs = self.logprob_format.chat(generation.take_logprobs()) if chat.logprobs else None
         body = ChatCompletion(
             id=generation.job.request_id,
             created=int(time.time()),
             model=chat.model,
-            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason)],
+            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason,
+                            logprobs=logprobs)],
             usage=self._usage(generation),
         )
         headers = {
@@ -284,17 +286,21 @@ class ChatHandler:
     async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent) -> AsyncIterator[bytes]:
         created = int(time.time())
 
-        def chunk(delta: Delta, finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+            if chat.continuous_usage:
+                extra.setdefault("usage", self._usage(generation))
             body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+                                       choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+                                       **extra)
             return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
         outcome: str | None = None   # "finished" or "failed"; None at the end means cancelled
         try:
             yield chunk(Delta(role="assistant", content=""))
             async for text in generation.texts(first):
-                if text:
-                    yield chunk(Delta(content=text))
+                samples = generation.take_logprobs()
+                if text or samples:
+                    yield chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
             outcome = "finished"
             await generation.close()  # release the backend's hold now, not after the last bytes are sent
             yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)

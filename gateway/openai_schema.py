@@ -32,10 +32,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from runtime.model.sampling import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
+from runtime.model.sampling import MAX_TOP_LOGPROBS
 
 from . import request_fields
 from .request_fields import Refusal, first_refusal
+from .sampling_fields import SamplingFields
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
@@ -153,16 +154,16 @@ ChatMessage = Annotated[
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: every chunk carries the usage so far
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -189,6 +190,8 @@ class ChatCompletionRequest(_Strict):
 
     def _refusals(self) -> Iterator[Refusal | None]:
         yield first_refusal(self, "", request_fields.TOP_LEVEL)
+        if self.top_logprobs and not self.logprobs:
+            yield Refusal("top_logprobs", "top_logprobs requires logprobs to be true", "invalid_value")
         if self.stream_options is not None:
             if not self.stream:
                 yield Refusal("stream_options", "stream_options is only allowed when stream is true",
@@ -222,6 +225,15 @@ class ChatCompletionRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """``None`` without ``logprobs``; else how many alternatives per token (``top_logprobs``, default 0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # -- responses --------------------------------------------------------------------
 class Usage(BaseModel):
@@ -235,11 +247,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -261,7 +288,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

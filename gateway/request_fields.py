@@ -67,10 +67,6 @@ def _noop(*values: Any) -> NoOp:
 TOP_LEVEL: Mapping[str, NoOp] = {
     # OpenAI
     "n": _noop(1),
-    "logprobs": _noop(False),
-    "top_logprobs": _noop(0),
-    "presence_penalty": _noop(0),
-    "frequency_penalty": _noop(0),
     "logit_bias": _noop({}),
     "response_format": _noop({"type": "text"}),
     "tools": _noop([]),
@@ -90,15 +86,9 @@ TOP_LEVEL: Mapping[str, NoOp] = {
     "prompt_cache_key": _noop(str),           # hints for abuse monitoring and cache routing:
     "safety_identifier": _noop(str),          # ignoring them changes no output
     # vLLM extensions
-    "top_k": _noop(-1, 0),
-    "min_p": _noop(0),
-    "repetition_penalty": _noop(1),
     "length_penalty": _noop(1),
-    "min_tokens": _noop(0),
-    "stop_token_ids": _noop([]),
     "bad_words": _noop([]),
     "allowed_token_ids": _noop(),
-    "ignore_eos": _noop(False),
     "skip_special_tokens": _noop(True),
     "spaces_between_special_tokens": _noop(True),
     "include_stop_str_in_output": _noop(False),
@@ -142,7 +132,6 @@ MESSAGE: Mapping[str, NoOp] = {
 
 STREAM_OPTIONS: Mapping[str, NoOp] = {
     "include_obfuscation": _noop(False),
-    "continuous_usage_stats": _noop(False),
 }
 
 NONE: Mapping[str, NoOp] = {}
