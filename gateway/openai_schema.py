@@ -152,6 +152,20 @@ ChatMessage = Annotated[
 ]
 
 
+def check_stop(value: Any) -> Any:
+    """``stop``: a string or at most ``MAX_STOP_SEQUENCES`` of them, each 1..``MAX_STOP_CHARS`` characters."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
+    return value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM: every chunk carries the usage so far
@@ -170,19 +184,7 @@ class ChatCompletionRequest(SamplingFields):
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_shape(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise ValueError("stop must be a string or a list of strings")
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
-        return value
+    _stop_shape = field_validator("stop", mode="before")(check_stop)
 
     def unsupported(self) -> Refusal | None:
         """The first field the gateway does not honour at the value sent (see the module docstring), else ``None``."""
