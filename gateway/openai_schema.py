@@ -4,13 +4,14 @@ Requests are validated strictly (``"max_tokens": "10"`` is a 400, not 10), and
 every field of the request, at every level, falls under one rule:
 
 * a field we honour is declared here, with exactly the range the workers
-  handle (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``seed`` in the
-  int64 range: ``runtime.model.sampling``; an image part's ``detail`` "auto" or
-  "high", since the processor always uses the model's full resolution);
+  handle (the sampling fields, shared with completions, are
+  ``gateway.sampling_fields``, bounded by ``runtime.model.sampling``;
+  ``logprobs`` / ``top_logprobs`` up to 20; an image part's ``detail`` "auto"
+  or "high", since the processor always uses the model's full resolution);
 * a known OpenAI or vLLM field we do not honour is accepted only at its no-op
-  value (``n: 1``, ``logprobs: false``, penalties 0, ``response_format:
-  {"type": "text"}``, ``logit_bias: {}``, ``tool_choice: "none"`` without
-  tools ...; the table is ``gateway.request_fields``), else 400
+  value (``n: 1``, ``response_format: {"type": "text"}``, ``logit_bias: {}``,
+  ``tool_choice: "none"`` without tools ...; the table is
+  ``gateway.request_fields``), else 400
   ``unsupported_parameter`` naming it;
 * any other field is refused, 400 ``unknown_parameter``: "Unrecognized request
   argument supplied: X", as OpenAI does.
