@@ -35,11 +35,13 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _mixed_row(pool: KVBlockPool, hidden: int):
-    """(items, row): 5 decodes of different lengths, 2 mid-context chunks, 1 whole-prompt chunk."""
+MIXED = [(40, 1), (3, 1), (17, 1), (0, 1), (63, 1), (20, 9), (5, 30), (0, 12)]
+
+
+def _mixed_row(pool: KVBlockPool, hidden: int, shapes=MIXED):
+    """(items, row): by default 5 decodes of different lengths, 2 mid-context chunks, 1 whole-prompt chunk."""
     gen = torch.Generator().manual_seed(0)
     # (start, q_len): a decode has q_len 1; (0, n) is a whole prompt in one chunk
-    shapes = [(40, 1), (3, 1), (17, 1), (0, 1), (63, 1), (20, 9), (5, 30), (0, 12)]
     scratch = pool.allocate(8 * pool.block_size)      # taken first, so later tables are not one run
     items = []
     for i, (start, q_len) in enumerate(shapes):
@@ -51,13 +53,16 @@ def _mixed_row(pool: KVBlockPool, hidden: int):
     return items, pack(pool, items, PositionKind.ONE_D, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("shapes", [MIXED, [(40, 1)], [(20, 9)], [(0, 12)], [(0, 1), (9, 1)]],
+                         ids=["mixed", "lone-decode", "lone-chunk", "lone-prompt", "two-decodes"])
 @pytest.mark.parametrize("kernel", BATCHED)
-def test_batched_kernel_equals_the_loop_on_a_mixed_row(kernel):
+def test_batched_kernel_equals_the_loop(kernel, shapes):
     layout = KVLayout(layers=1, kv_heads=2, head_dim=16, dtype=torch.float32)
     pool = KVBlockPool(layout, num_blocks=64, block_size=4)
-    items, row = _mixed_row(pool, hidden=8)
-    assert len(row.groups) == 2 and row.groups[0].size == 5 and row.groups[1].size == 3
-    assert any(len(s.context_runs) > 1 for s in row.spans), "some context must span several runs"
+    items, row = _mixed_row(pool, hidden=8, shapes=shapes)
+    if shapes is MIXED:
+        assert len(row.groups) == 2 and row.groups[0].size == 5 and row.groups[1].size == 3
+        assert any(len(s.context_runs) > 1 for s in row.spans), "some context must span several runs"
     gen = torch.Generator().manual_seed(1)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     total = sum(i.q_len for i in items)

@@ -39,6 +39,7 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Q, S] bool; None when B == 1 and the chunk is the whole context
     max_ctx: int               # the longest context (keys past it are never visible)
     block_size: int
+    one_run_start: int | None = None  # B == 1 with consecutive blocks: first block of its context (no gather)
     kernel_state: dict[str, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
 
     @property
@@ -76,10 +77,15 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
         q_pos = q_starts[:, None] + rows[None, :]                                   # [B, Q]
         mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
         mask = mask.unsqueeze(1).to(device)                                         # [B, 1, Q, S]
+    one_run = None
+    if b == 1:
+        first = table[0, : -(-ctx_lens[0] // block_size)]
+        if bool((first[1:] - first[:-1] == 1).all()):
+            one_run = int(first[0])
     return AttentionGroup(
         q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
         block_table=table.to(device), ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
-        max_ctx=max_ctx, block_size=block_size,
+        max_ctx=max_ctx, block_size=block_size, one_run_start=one_run,
     )
 
 

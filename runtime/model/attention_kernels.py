@@ -2,7 +2,8 @@
 
     sdpa_padded     every device: the group's context gathered block-wise from the pool into
                     ``[B, KVH, S, D]`` and one ``scaled_dot_product_attention`` under the
-                    group's mask (a lone whole-prompt chunk: ``is_causal``, no mask)
+                    group's mask (a lone whole-prompt chunk: ``is_causal``, no mask; decodes:
+                    each KV head's query heads as rows, so GQA needs no K/V expansion)
     flex_attention  CUDA, where ``torch.nn.attention.flex_attention`` imports: the same
                     gathered layout, masked by a block mask built once per forward from
                     ``ctx_lens`` / ``q_starts`` (fully masked tiles are skipped), compiled
@@ -46,10 +47,18 @@ def select_kernel(device: torch.device | str, requested: str = "auto") -> str:
     return requested
 
 
-def gather_context(pool_blocks: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, KVH, S, D]``: each sequence's blocks laid end to end (one block-wise index copy)."""
+def gather_context(pool_blocks: torch.Tensor, group: AttentionGroup, dtype: torch.dtype, which: str) -> torch.Tensor:
+    """``[B, KVH, S, D]``: each sequence's blocks laid end to end (one block-wise index copy into a
+    buffer the group reuses for every layer of the forward: ``which`` is ``"k"`` or ``"v"``)."""
     b, n = group.block_table.shape
-    ctx = pool_blocks[group.block_table.view(-1)]                  # [B*N, bs, KVH, D]
+    if group.one_run_start is not None:   # one sequence in adjacent blocks: a view of the pool, no copy
+        ctx = pool_blocks[group.one_run_start: group.one_run_start + n].flatten(0, 1)[: group.max_ctx]
+        return ctx.transpose(0, 1).unsqueeze(0).to(dtype)
+    index = group.block_table.view(-1)
+    buf = group.kernel_state.get(which)
+    if buf is None:
+        buf = group.kernel_state[which] = pool_blocks.new_empty((b * n, *pool_blocks.shape[1:]))
+    ctx = torch.index_select(pool_blocks, 0, index, out=buf)       # [B*N, bs, KVH, D]
     ctx = ctx.view(b, n * group.block_size, *ctx.shape[2:])        # [B, S, KVH, D]
     if b == 1:
         ctx = ctx[:, : group.max_ctx]                             # nothing past the one context
@@ -62,6 +71,14 @@ def group_queries(query: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 
 def sdpa_padded(q, k, v, group: AttentionGroup, scaling: float | None) -> torch.Tensor:
+    b, heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    if q_len == 1 and group.mask is not None:
+        # decodes: the G query heads sharing a KV head become G query rows of that head (one query
+        # position, so one mask row serves them all); no K/V expansion for GQA
+        qg = q.reshape(b, kv_heads, heads // kv_heads, dim)
+        mask = group.mask if b > 1 else group.mask[..., : k.shape[2]]
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling).reshape(b, heads, 1, dim)
     if group.mask is None:      # a lone chunk that is its whole context: the prompt's own causal call
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
     mask = group.mask if q.shape[0] > 1 else group.mask[..., : k.shape[2]]
@@ -97,8 +114,8 @@ def attend(kernel: str, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: t
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     for group in groups:
         q = group_queries(query, group)
-        k = gather_context(k_blocks, group, q.dtype)
-        v = gather_context(v_blocks, group, q.dtype)
+        k = gather_context(k_blocks, group, q.dtype, "k")
+        v = gather_context(v_blocks, group, q.dtype, "v")
         o = fn(q, k, v, group, scaling).transpose(1, 2)            # [B, Q, H, D]
         out[group.out_index] = o[group.q_valid]
     return out
