@@ -48,7 +48,7 @@ def model_size(adapter) -> dict:
 class Batch:
     """``batch`` sequences with ``context`` tokens of (random) KV each, in their own pool, ready to decode."""
 
-    def __init__(self, adapter, batch: int, context: int, max_steps: int, block_size: int, kernel: str):
+    def __init__(self, adapter, batch: int, context: int, max_steps: int, block_size: int, kernel: str | None = None):
         import torch
 
         from runtime.model.kv_pool import KVBlockPool
@@ -57,7 +57,8 @@ class Batch:
 
         layout = adapter.kv_layout
         per_seq = context + max_steps + 1
-        self.adapter, self.batch, self.context, self.kernel = adapter, batch, context, kernel
+        self.adapter, self.batch, self.context = adapter, batch, context
+        self.kernel = kernel or adapter.attention_kernel
         self.pool = KVBlockPool(layout, batch * -(-per_seq // block_size), block_size)
         gen = torch.Generator().manual_seed(batch)
         self.seqs = []
