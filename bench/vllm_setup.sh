@@ -11,7 +11,7 @@
 #     add a `vllm` dist-info alias.
 #  4. transformers' pixtral image processor and vLLM's LLaVA module import torchvision at
 #     module level: guard those imports so a missing torchvision is not fatal.
-#  5. VLLM_TARGET_DEVICE=cpu must be set at run time (bench/vllm_peer.py does it).
+#  5. VLLM_TARGET_DEVICE=cpu must be set at run time (bench/harness/vllm_peer.py does it).
 set -euo pipefail
 VENV="${EPD_BENCH_VLLM_VENV:-/work/.vllm-venv}"
 PYBIN="${PYTHON:-python3.11}"
