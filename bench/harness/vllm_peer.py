@@ -1,7 +1,7 @@
 """vLLM's CPU build as a benchmark peer: its own venv, a converted copy of our checkpoint, its server.
 
 Nothing here is an epd dependency: the venv is built by ``bench/vllm_setup.sh`` outside the
-repository's ``.venv`` (``EPD_BENCH_VLLM_VENV``, default ``/work/.vllm-venv``).
+repository's ``.venv`` (``BENCH_VLLM_VENV``, default ``/work/.vllm-venv``).
 
 * ``peer_checkpoint``: our checkpoints name the vision tower's weights ``vision_tower.<name>``;
   vLLM's LLaVA loader expects ``vision_tower.vision_model.<name>``. A copy with those keys
@@ -28,14 +28,14 @@ VLLM_VISION_PREFIX = "vision_tower.vision_model."
 
 
 def vllm_venv() -> Path:
-    return Path(os.environ.get("EPD_BENCH_VLLM_VENV", str(DEFAULT_VENV)))
+    return Path(os.environ.get("BENCH_VLLM_VENV", str(DEFAULT_VENV)))
 
 
 def vllm_bin() -> Path:
     """The peer's ``vllm`` CLI; ``StartError`` naming the setup script when it is missing."""
     path = vllm_venv() / "bin" / "vllm"
     if not path.exists():
-        raise StartError(f"no vLLM peer at {path}: run bench/vllm_setup.sh (EPD_BENCH_VLLM_VENV picks the venv)")
+        raise StartError(f"no vLLM peer at {path}: run bench/vllm_setup.sh (BENCH_VLLM_VENV picks the venv)")
     return path
 
 
