@@ -3,6 +3,11 @@
     epd demo-model --bench --out /tmp/epd-bench-vlm          # once, for the bench model
     python -m bench.compare_servers                            # demo + bench model, defaults below
     python -m bench.compare_servers --models demo --requests 32 --concurrency 16 --rounds 2
+    bash bench/vllm_setup.sh && python -m bench.compare_servers --peer vllm    # vLLM-CPU as the peer
+
+With ``--peer vllm`` the issue's loads (``--loads``) run against vLLM's CPU build instead,
+one server under load at a time: see ``bench/peer_compare.py``. What follows is the
+``transformers`` peer.
 
 For each model (``demo`` = ``models/demo-vlm``, ``bench`` = the random ~150M-param
 config) the script
@@ -47,6 +52,7 @@ from bench.harness.report import fmt, ratio, finish_results, results_header, set
 from bench.harness.runs import Run, cpu_per_request, error_samples, pooled, run_load, same_text
 from bench.harness.scrape import counter_delta, scrape_counters
 from bench.harness.servers import RESULTS, ROOT, StartError, epd_serve, free_port, transformers_serve, wait_http
+from bench.peer_compare import LOADS, compare_vllm, print_load
 from bench.plot import plot_series_cdfs
 from launcher.processes import stop_group
 
@@ -56,6 +62,12 @@ DEFAULT_MODELS = {"demo": ROOT / "models" / "demo-vlm", "bench": Path("/tmp/epd-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.compare_servers", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--peer", choices=("transformers", "vllm"), default="transformers",
+                   help="the server epd is measured against; vllm: vLLM's CPU build from the venv of "
+                        "bench/vllm_setup.sh on the loads of --loads (bench/peer_compare.py)")
+    p.add_argument("--loads", default=",".join(LOADS),
+                   help=f"--peer vllm: comma-separated loads ({', '.join(LOADS)})")
+    p.add_argument("--vllm-threads", type=int, default=0, help="--peer vllm: OMP_NUM_THREADS (0: vLLM's default)")
     p.add_argument("--models", default="demo,bench", help="comma-separated: demo, bench")
     p.add_argument("--demo-model", type=Path, default=DEFAULT_MODELS["demo"])
     p.add_argument("--bench-model", type=Path, default=DEFAULT_MODELS["bench"],
@@ -84,6 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logs", type=Path, default=Path("/tmp/epd-compare-logs"))
     args = p.parse_args(argv)
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.load_list = [m.strip() for m in args.loads.split(",") if m.strip()]
+    for name in args.load_list:
+        if name not in LOADS:
+            p.error(f"--loads: unknown load {name!r} ({', '.join(LOADS)})")
     for m in args.model_list:
         if m not in DEFAULT_MODELS:
             p.error(f"--models: unknown model {m!r} (demo, bench)")
@@ -102,8 +118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def stem(args: argparse.Namespace) -> str:
-    """Output file stem: ``compare_servers`` or ``compare_servers-TAG``."""
-    return "compare_servers" + (f"-{args.tag}" if args.tag else "")
+    """Output file stem: ``compare_servers[-vllm]`` or ``compare_servers[-vllm]-TAG``."""
+    return "compare_servers" + ("-vllm" if args.peer == "vllm" else "") + (f"-{args.tag}" if args.tag else "")
 
 
 def model_path(args: argparse.Namespace, kind: str) -> Path:
@@ -243,15 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = host_info()
     results = []
     try:
-        if args.cache_only:
+        if args.peer == "vllm":
+            results.extend(compare_vllm(args))
+        elif args.cache_only:
             results.append(cache_only(args, args.cache_model))
-        for kind in [] if args.cache_only else args.model_list:
+        for kind in [] if args.cache_only or args.peer == "vllm" else args.model_list:
             results.append(compare_model(args, kind))
     except StartError as exc:
         print(f"compare_servers: {exc}", file=sys.stderr)
         return 1
     for result in results:
-        print_model(result)
+        print_load(result) if args.peer == "vllm" else print_model(result)
     payload = {**header, "wall_s": time.monotonic() - t0, "host": host, "settings": settings_json(vars(args)),
                "results": results}
     path = args.out / f"{stem(args)}{'-cache' if args.cache_only else ''}.json"

@@ -1,7 +1,13 @@
-"""Decode throughput (tokens/s) at batch 1, 8 and 32 on the bench model, in process.
+"""Decode throughput (tokens/s) at batch 1, 32 and 64 on the bench model, in process, for each attention kernel.
 
     epd demo-model --bench --out /tmp/bench-vlm        # once: random-weight bench model
-    python -m bench.decode_throughput [--model /tmp/bench-vlm] [--batches 1,8,32] [--context 128] [--steps 16] [--rounds 4] [--threads 1]
+    python -m bench.decode_throughput [--model /tmp/bench-vlm] [--batches 1,32,64] [--kernels batched,reference_loop]
+                                      [--context 128] [--steps 16] [--rounds 4] [--threads 1]
+
+``--kernels``: ``batched`` is the kernel the adapter selects at start-up (one attention call per
+layer for the whole batch); ``reference_loop`` is the per-sequence loop (one SDPA call per
+sequence per layer) it replaced. Every (batch, kernel) pair is timed in the same run and the
+step-time ratio loop / batched is printed per batch size.
 
 Each batch size gets its own ``KVBlockPool``; every sequence's prompt KV
 (``--context`` tokens) is filled with random values (decode cost depends on the
@@ -42,7 +48,7 @@ def model_size(adapter) -> dict:
 class Batch:
     """``batch`` sequences with ``context`` tokens of (random) KV each, in their own pool, ready to decode."""
 
-    def __init__(self, adapter, batch: int, context: int, max_steps: int, block_size: int):
+    def __init__(self, adapter, batch: int, context: int, max_steps: int, block_size: int, kernel: str | None = None):
         import torch
 
         from runtime.model.kv_pool import KVBlockPool
@@ -52,6 +58,7 @@ class Batch:
         layout = adapter.kv_layout
         per_seq = context + max_steps + 1
         self.adapter, self.batch, self.context = adapter, batch, context
+        self.kernel = kernel or adapter.attention_kernel
         self.pool = KVBlockPool(layout, batch * -(-per_seq // block_size), block_size)
         gen = torch.Generator().manual_seed(batch)
         self.seqs = []
@@ -64,6 +71,7 @@ class Batch:
         self.times: list[float] = []
 
     def step(self, timed: bool = True) -> None:
+        self.adapter.attention_kernel = self.kernel
         t0 = time.perf_counter()
         tokens = self.adapter.decode_step(self.pool, self.seqs)
         elapsed = time.perf_counter() - t0
@@ -74,7 +82,7 @@ class Batch:
 
     def result(self) -> dict:
         t = self.times
-        return dict(batch=self.batch, context=self.context, steps=len(t), seconds=sum(t),
+        return dict(batch=self.batch, kernel=self.kernel, context=self.context, steps=len(t), seconds=sum(t),
                     step_ms_median=statistics.median(t) * 1000, step_ms_min=min(t) * 1000,
                     tokens_per_s=self.batch * len(t) / sum(t),
                     tokens_per_s_median_step=self.batch / statistics.median(t),
@@ -84,7 +92,9 @@ class Batch:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode_throughput", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=Path("/tmp/bench-vlm"))
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 64])
+    p.add_argument("--kernels", default="batched,reference_loop",
+                   help="batched (the kernel selected at start-up), reference_loop, or a kernel name")
     p.add_argument("--context", type=int, default=128, help="prompt tokens already in each sequence's KV")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
@@ -114,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                    model=str(args.model), model_size=size, kv_layout=adapter.kv_layout.describe(),
                    torch_threads=torch.get_num_threads(), torch_version=torch.__version__,
                    host=host_basics(), runs=[])
-    batches = [Batch(adapter, b, args.context, args.warmup + args.steps, args.block_size) for b in args.batches]
+    selected = adapter.attention_kernel
+    kernels = [selected if k.strip() == "batched" else k.strip() for k in args.kernels.split(",") if k.strip()]
+    results["selected_kernel"] = selected
+    batches = [Batch(adapter, b, args.context, args.warmup + args.steps, args.block_size, k)
+               for b in args.batches for k in kernels]
     for b in batches:
         for _ in range(args.warmup):
             b.step(timed=False)
@@ -128,10 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         row = b.result()
         results["runs"].append(row)
-        print(f"batch {row['batch']:>3}: {row['tokens_per_s']:8.1f} tokens/s  (median step {row['step_ms_median']:.1f} ms "
+        print(f"batch {row['batch']:>3} {row['kernel']:<15}: {row['tokens_per_s']:8.1f} tokens/s  (median step {row['step_ms_median']:.1f} ms "
               f"-> {row['tokens_per_s_median_step']:.1f} tokens/s; best step {row['step_ms_min']:.1f} ms; "
               f"{row['steps']} steps, context {args.context})")
-    base = next((r for r in results["runs"] if r["batch"] == 1), None)
+    results["loop_over_batched_step_ms"] = {}
+    for b in args.batches:
+        rows = {r["kernel"]: r for r in results["runs"] if r["batch"] == b}
+        if selected in rows and "reference_loop" in rows and selected != "reference_loop":
+            x = rows["reference_loop"]["step_ms_median"] / rows[selected]["step_ms_median"]
+            results["loop_over_batched_step_ms"][str(b)] = x
+            print(f"batch {b:>3}: median step {rows[selected]['step_ms_median']:.1f} ms batched ({selected}) vs "
+                  f"{rows['reference_loop']['step_ms_median']:.1f} ms loop -> loop / batched {x:.2f}x")
+    base = next((r for r in results["runs"] if r["batch"] == 1 and r["kernel"] == selected), None)
     if base:
         for r in results["runs"]:
             for key in ("tokens_per_s", "tokens_per_s_median_step", "tokens_per_s_best_step"):

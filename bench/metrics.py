@@ -4,6 +4,8 @@
   ok requests / duration. Duration runs from the first send to the last reply.
 - TTFT and E2E percentiles are over ok requests; ITL percentiles are over every
   gap of every ok request (a long answer weighs more, as in vLLM).
+- TPOT (time per output token) is per ok request with more than one output token:
+  ``(e2e - ttft) / (output_tokens - 1)``, as ``vllm bench serve`` computes it.
 - Percentiles are numpy's linear interpolation; a metric with no samples is
   ``None`` (``null`` in JSON).
 - ``goodput_req_per_s`` = ok requests that meet every SLO that was given, per
@@ -60,6 +62,8 @@ def summarize(
     ttft_ms = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
     itl_ms = [gap * 1e3 for r in ok for gap in r.itl_s]
     e2e_ms = [r.e2e_s * 1e3 for r in ok if r.e2e_s is not None]
+    tpot_ms = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in ok
+               if r.e2e_s is not None and r.ttft_s is not None and r.output_tokens > 1]
     good = sum(meets_slo(r, ttft_slo_ms, itl_slo_ms) for r in ok)
     return {
         "requests": len(records),
@@ -71,6 +75,7 @@ def summarize(
         "output_tok_per_s": sum(r.output_tokens for r in ok) / duration_s,
         "goodput_req_per_s": good / duration_s,
         **_percentile_fields("ttft", ttft_ms),
+        **_percentile_fields("tpot", tpot_ms),
         **_percentile_fields("itl", itl_ms),
         **_percentile_fields("e2e", e2e_ms),
         "mean_ttft_ms": float(np.mean(ttft_ms)) if ttft_ms else None,

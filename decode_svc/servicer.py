@@ -97,7 +97,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
-        self.state = ServingState("decode", self.timings, adapter.model_fingerprint)
+        self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel)
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self._reaper: asyncio.Task | None = None
         self._on_stop: list = []

@@ -59,11 +59,12 @@ class WorkerHandle:
                 out.update(reservations_active=s.reservations_active, pending_chunks=s.pending_chunks,
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,
                            max_batch_observed=s.max_batch, max_batch_configured=s.max_batch_configured,
-                           lease_reaped_total=s.lease_reaped_total)
+                           lease_reaped_total=s.lease_reaped_total, attention_kernel=s.attention_kernel)
             elif self.role == "encoder":
                 out.update(computes=s.computes, cache_hits=s.cache_hits, single_flight_in_flight=s.single_flight_in_flight)
             elif self.role == "prefill":
                 out.update(queued_prefill_tokens=s.queued_prefill_tokens, max_batch_observed=s.max_batch,
+                           attention_kernel=s.attention_kernel,
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks)
         return out
 

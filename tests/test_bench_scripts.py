@@ -326,3 +326,44 @@ def test_decode_throughput_steps_a_batch_on_the_demo_model() -> None:
     row = batch.result()
     assert (row["batch"], row["context"], row["steps"]) == (2, 8, 2)
     assert [s.position for s in batch.seqs] == [11, 11]
+
+
+# ------------------------------------------------------------------ compare_servers --peer vllm
+def test_peer_vllm_arguments_and_stem() -> None:
+    args = compare_servers.parse_args(["--peer", "vllm", "--loads", "demo-c1,bench-short"])
+    assert args.load_list == ["demo-c1", "bench-short"] and compare_servers.stem(args) == "compare_servers-vllm"
+    with pytest.raises(SystemExit):
+        compare_servers.parse_args(["--peer", "vllm", "--loads", "nope"])
+
+
+def test_peer_targets_take_the_worse_round() -> None:
+    from bench.peer_compare import LOADS, judge_targets
+
+    load = LOADS["bench-short"]   # throughput >= 1.0x and ITL p99 <= 1.0x
+    rounds = {"vllm": [{"req_per_s": 2.0, "itl_ms_p99": 100.0}, {"req_per_s": 2.0, "itl_ms_p99": 100.0}],
+              "epd": [{"req_per_s": 2.4, "itl_ms_p99": 90.0}, {"req_per_s": 1.8, "itl_ms_p99": 120.0}]}
+    tput, itl = judge_targets(load, rounds)
+    assert tput["worst"] == pytest.approx(0.9) and not tput["met"]
+    assert itl["worst"] == pytest.approx(1.2) and not itl["met"]
+    rounds["epd"][1] = {"req_per_s": 2.2, "itl_ms_p99": 95.0}
+    assert all(t["met"] for t in judge_targets(load, rounds))
+
+
+def test_peer_checkpoint_renames_only_the_vision_tower(tmp_path: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bench.harness.vllm_peer import peer_checkpoint, rename_key
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file({"vision_tower.embeddings.w": torch.ones(2), "language_model.lm_head.weight": torch.zeros(3)},
+              str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    out = peer_checkpoint(src, tmp_path / "peer")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["language_model.lm_head.weight", "vision_tower.vision_model.embeddings.w"]
+    assert (out / "config.json").read_text() == "{}"
+    assert peer_checkpoint(src, tmp_path / "peer") == out   # built once
+    assert rename_key("vision_tower.vision_model.x") == "vision_tower.vision_model.x"

@@ -112,6 +112,8 @@ def test_summarize_counts_rates_percentiles_and_goodput() -> None:
     for q in (50, 90, 99):
         assert report[f"itl_ms_p{q}"] == pytest.approx(float(np.percentile(itl_ms, q)))
     assert report["e2e_ms_p99"] == pytest.approx(500.0)
+    tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in records[:3]]   # vllm bench serve's TPOT
+    assert report["tpot_ms_p50"] == pytest.approx(float(np.percentile(tpot, 50)))
     assert (report["answers_correct"], report["answers_checked"]) == (2, 3)
     assert summarize(records, 2.0, check_answers=False)["answers_checked"] == 0
     assert summarize(records, 2.0)["goodput_req_per_s"] == report["req_per_s"]

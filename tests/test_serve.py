@@ -83,6 +83,8 @@ def test_serve_answers_image_chat(served):
     for worker in status["decode"]:
         assert worker["healthy"] and "address" in worker
         assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
+    for worker in [*status["decode"], *status["prefill"]]:   # the kernel each selected at start-up (CPU)
+        assert worker["attention_kernel"] == "sdpa_padded"
     assert status["encoder"][0]["computes"] == 2  # two distinct images, each encoded once
 
 

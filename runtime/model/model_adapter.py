@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from runtime.model import families, paged_attention, supported_models
+from runtime.model import attention_kernels, families, paged_attention, supported_models
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from runtime.model.families import ImageEmbedding, PositionKind
 from runtime.model.kv_pool import KVBlockPool, KVLayout
@@ -74,11 +74,15 @@ class DecodeInput:
 class VLMAdapter:
     """Owns the loaded model and processor; all methods are inference-only."""
 
-    def __init__(self, model, processor, *, device: str = "cpu", max_images: int = 8, max_image_pixels: int = 4096 * 4096):
-        """``max_images``: a worker passes ``limit_images_per_request`` (default 8, the same as here)."""
+    def __init__(self, model, processor, *, device: str = "cpu", max_images: int = 8, max_image_pixels: int = 4096 * 4096,
+                 attention_kernel: str = "auto"):
+        """``max_images``: a worker passes ``limit_images_per_request`` (default 8, the same as here).
+        ``attention_kernel``: ``auto`` or one of ``attention_kernels.KERNELS``, fixed here at start-up
+        (``self.attention_kernel`` names the choice; tests may set ``attention_reference.KERNEL``)."""
         self.model = model.eval()
         self.processor = processor
         self.device = torch.device(device)
+        self.attention_kernel = attention_kernels.select_kernel(self.device, attention_kernel)
         self.max_images = max_images
         self.max_image_pixels = max_image_pixels
         self.family = families.family_for(model.config, model)
@@ -209,7 +213,7 @@ class VLMAdapter:
     def forward_packed(self, pool: KVBlockPool, items: Sequence[PackedItem]) -> list[torch.Tensor | None]:
         """Run all items' new tokens as one packed row; write their KV; return last-token logits."""
         row = pack(pool, items, self.family.position_kind, self.device)
-        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans)
+        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel)
         extra = {}
         if row.deepstack is not None:
             extra = {"visual_pos_masks": row.visual_mask, "deepstack_visual_embeds": row.deepstack}

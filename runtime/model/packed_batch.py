@@ -14,7 +14,8 @@ token) with where they go in the KV pool and what positions they have:
 which of its tokens are image tokens, and those tokens' rows of every level.
 
 ``pack`` concatenates the items into one row ``[1, T]`` and returns the position
-ids, the KV slot of every new token, each sequence's context runs, and the
+ids, the KV slot of every new token, each sequence's context runs, the batched
+attention groups (``attention_groups``: block tables and masks), and the
 DeepStack inputs (``visual_pos_masks``, one ``[n, hidden]`` tensor per level), in
 the layout the model's own forward takes.
 """
@@ -28,7 +29,8 @@ import torch
 
 from runtime.model.families.base import PositionKind
 from runtime.model.kv_pool import KVBlockPool
-from runtime.model.paged_attention import SequenceSpan
+from runtime.model.attention_groups import AttentionGroup, build_groups
+from runtime.model.paged_attention_types import SequenceSpan
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class PackedRow:
     spans: list[SequenceSpan]
     visual_mask: torch.Tensor | None     # [1, T] bool: tokens that receive DeepStack features
     deepstack: list[torch.Tensor] | None  # per level [visual_mask.sum(), hidden]
+    groups: list[AttentionGroup]         # decodes and prompt chunks, one batched attention call each
 
 
 def item_positions(item: PackedItem, kind: PositionKind) -> torch.Tensor:
@@ -110,4 +113,6 @@ def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, dev
         stacked = torch.cat(levels, dim=1).to(device, embeds.dtype)
         deepstack = list(stacked.unbind(0))
     slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=device)
-    return PackedRow(embeds, position_ids, slot_mapping, spans, visual_mask, deepstack)
+    groups = build_groups([s.q_offset for s in spans], [s.q_len for s in spans], [i.start + i.q_len for i in items],
+                          [i.blocks for i in items], pool.block_size, device)
+    return PackedRow(embeds, position_ids, slot_mapping, spans, visual_mask, deepstack, groups)

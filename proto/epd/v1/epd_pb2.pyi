@@ -83,7 +83,7 @@ class StatsRequest(_message.Message):
     def __init__(self, since_sample: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured")
+    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class WorkerStats(_message.Message):
     BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SINGLE_FLIGHT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     serving: bool
@@ -130,7 +131,8 @@ class WorkerStats(_message.Message):
     bulk_address: str
     single_flight_in_flight: int
     max_batch_configured: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ...) -> None: ...
+    attention_kernel: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ...) -> None: ...
 
 class EncodeImage(_message.Message):
     __slots__ = ("ref", "data")

@@ -1,0 +1,174 @@
+"""``compare_servers --peer vllm``: epd vs vLLM's CPU build on the issue's loads, side by side.
+
+For each model the loads need, both servers are started from their own environments (vLLM
+from the venv of ``bench/vllm_setup.sh``, on a converted copy of the checkpoint; see
+``bench.harness.vllm_peer``) and warmed up; then every load runs ``--rounds`` times on each,
+one server under load at a time, alternating which goes first (round ``r``'s seed is the same
+on both, so both see the same requests and images; every round's images are new to epd's
+encoder cache). While one server is measured, the other's CPU seconds are read too
+(``idle_peer_cpu_s``): an idle server that spins would tax the measured one.
+
+Reported per load, pooled over the rounds and per round, with ``vllm bench serve``'s
+definitions (``bench.metrics``): requests/s, output tokens/s, TTFT, TPOT, ITL and E2E
+percentiles, goodput under the load's stated SLOs (TTFT and worst gap), and the ratio
+epd / vLLM of each. The issue's targets are judged on the WORSE of the rounds' ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.harness.report import fmt, markdown_table, ratio
+from bench.harness.runs import Run, cpu_per_request, error_samples, pooled, run_load
+from bench.harness.servers import epd_serve, free_port, wait_http
+from bench.harness.usage import cpu_seconds
+from bench.harness.vllm_peer import vllm_serve
+from launcher.processes import stop_group
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    model: str                 # demo | bench
+    requests: int
+    concurrency: int
+    max_tokens: int
+    ttft_slo_ms: float
+    itl_slo_ms: float
+    long_fraction: float = 0.0
+    long_prompt_words: int = 400
+    # (metric key, "max" ratio or "min" ratio, bound): the issue's target for this load
+    targets: tuple[tuple[str, str, float], ...] = ()
+
+
+LOADS: dict[str, Load] = {l.name: l for l in (
+    Load("demo-c16", "demo", 96, 16, 16, 1000, 200, targets=(("req_per_s", "min", 1.0),)),
+    Load("demo-c1", "demo", 16, 1, 16, 200, 50, targets=(("ttft_ms_p50", "max", 1.0),)),
+    Load("bench-short", "bench", 48, 16, 32, 2000, 500,
+         targets=(("req_per_s", "min", 1.0), ("itl_ms_p99", "max", 1.0))),
+    Load("bench-long", "bench", 32, 16, 32, 20000, 2000, long_fraction=0.5, long_prompt_words=400,
+         targets=(("ttft_ms_p50", "max", 0.5), ("itl_ms_p99", "max", 0.5), ("goodput_req_per_s", "min", 1.5))),
+)}
+
+ROWS = (("requests/s", "req_per_s"), ("output tokens/s", "output_tok_per_s"), ("goodput req/s", "goodput_req_per_s"),
+        ("TTFT p50 (ms)", "ttft_ms_p50"), ("TTFT p90 (ms)", "ttft_ms_p90"), ("TTFT p99 (ms)", "ttft_ms_p99"),
+        ("TPOT p50 (ms)", "tpot_ms_p50"), ("TPOT p99 (ms)", "tpot_ms_p99"),
+        ("ITL p50 (ms)", "itl_ms_p50"), ("ITL p99 (ms)", "itl_ms_p99"),
+        ("E2E p50 (ms)", "e2e_ms_p50"), ("E2E p99 (ms)", "e2e_ms_p99"))
+
+SERVERS = ("vllm", "epd")
+
+
+def compare_vllm(args: argparse.Namespace) -> list[dict[str, Any]]:
+    loads = [LOADS[n] for n in args.load_list]
+    results = []
+    for kind in dict.fromkeys(l.model for l in loads):
+        results.extend(_model_loads(args, kind, [l for l in loads if l.model == kind]))
+    return results
+
+
+def _model_loads(args: argparse.Namespace, kind: str, loads: list[Load]) -> list[dict[str, Any]]:
+    from bench.compare_servers import model_path, require_model
+
+    path = model_path(args, kind)
+    require_model(path, kind)
+    v_port, e_port = free_port(), free_port()
+    procs = {"vllm": vllm_serve(path, v_port, args.logs, kind, args.vllm_threads),
+             "epd": epd_serve(path, e_port, args.logs, kind, args.epd_args.split())}
+    bases = {"vllm": f"http://127.0.0.1:{v_port}", "epd": f"http://127.0.0.1:{e_port}"}
+    out = []
+    started = time.monotonic()
+    try:
+        for proc in procs.values():
+            proc.start()
+        wait_http(f"{bases['epd']}/health", [procs["epd"]])
+        wait_http(f"{bases['vllm']}/v1/models", [procs["vllm"]], timeout_s=600)
+        print(f"[{kind}] vllm and epd up after {time.monotonic() - started:.0f} s", file=sys.stderr)
+        for name in SERVERS:
+            if args.warmup:
+                run_load(bases[name], kind, requests=args.warmup, concurrency=args.warmup, image_pool=args.warmup,
+                         max_tokens=16, check_answers=False, timeout_s=args.timeout, seed=args.seed + 999)
+        for load in loads:
+            out.append(_one_load(args, load, procs, bases))
+    finally:
+        stop_group(list(procs.values()))
+    return out
+
+
+def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
+    check = load.model == "demo"
+    runs: dict[str, list[Run]] = {n: [] for n in SERVERS}
+    idle_cpu: dict[str, list[float]] = {n: [] for n in SERVERS}
+    common = dict(requests=load.requests, concurrency=load.concurrency, image_pool=load.requests,
+                  max_tokens=load.max_tokens, check_answers=check, timeout_s=args.timeout,
+                  long_fraction=load.long_fraction, long_prompt_words=load.long_prompt_words,
+                  ttft_slo_ms=load.ttft_slo_ms, itl_slo_ms=load.itl_slo_ms)
+    for rnd in range(args.rounds):
+        order = list(SERVERS) if rnd % 2 == 0 else list(reversed(SERVERS))
+        for name in order:
+            other = next(n for n in SERVERS if n != name)
+            before = sum(cpu_seconds(procs[other]).values())
+            run = run_load(bases[name], load.model, procs[name], seed=args.seed + rnd, **common)
+            idle_cpu[other].append(sum(cpu_seconds(procs[other]).values()) - before)
+            run.server = name
+            runs[name].append(run)
+            rep = run.report
+            print(f"[{load.name}] round {rnd} {name:<5} {rep['req_per_s']:.2f} req/s  TTFT p50 "
+                  f"{fmt(rep['ttft_ms_p50'])} ms  ITL p99 {fmt(rep['itl_ms_p99'])} ms  ok {rep['ok']}/{rep['requests']}",
+                  file=sys.stderr)
+            for err in error_samples(run.records, 2):
+                print(f"[{load.name}]   failed: {err}", file=sys.stderr)
+    reports = {n: pooled(rs, load.ttft_slo_ms, load.itl_slo_ms, check) for n, rs in runs.items()}
+    for n, rs in runs.items():
+        reports[n]["server_cpu_ms_per_request"] = cpu_per_request(rs)
+    per_round = {n: [pooled([r], load.ttft_slo_ms, load.itl_slo_ms, check) for r in rs] for n, rs in runs.items()}
+    return {
+        "load": asdict(load), "model": load.model, "reports": reports, "rounds": per_round,
+        "idle_peer_cpu_s": idle_cpu,
+        "table": table_rows(reports["vllm"], reports["epd"]),
+        "targets": judge_targets(load, per_round),
+        "errors": {n: error_samples(r for run in rs for r in run.records) for n, rs in runs.items()},
+        "commands": {n: p.cmd for n, p in procs.items()},
+    }
+
+
+def table_rows(vllm: Mapping[str, Any], epd: Mapping[str, Any]) -> list[list[str]]:
+    rows = [[label, fmt(vllm.get(k)), fmt(epd.get(k)), fmt(ratio(epd.get(k), vllm.get(k)))] for label, k in ROWS]
+    v_cpu = (vllm.get("server_cpu_ms_per_request") or {}).get("total")
+    e_cpu = (epd.get("server_cpu_ms_per_request") or {}).get("total")
+    rows.append(["server CPU ms / request", fmt(v_cpu), fmt(e_cpu), fmt(ratio(e_cpu, v_cpu))])
+    rows.append(["ok / requests", f"{vllm['ok']}/{vllm['requests']}", f"{epd['ok']}/{epd['requests']}", ""])
+    return rows
+
+
+def judge_targets(load: Load, per_round: Mapping[str, list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Each target on the worse of the rounds' epd/vLLM ratios (round r of one against round r of the other)."""
+    out = []
+    for key, kind, bound in load.targets:
+        ratios = [ratio(e.get(key), v.get(key)) for e, v in zip(per_round["epd"], per_round["vllm"])]
+        known = [r for r in ratios if r is not None]
+        worst = (min(known) if kind == "min" else max(known)) if known else None
+        met = worst is not None and (worst >= bound if kind == "min" else worst <= bound)
+        out.append({"metric": key, "rounds": ratios, "worst": worst,
+                    "target": f"{'>=' if kind == 'min' else '<='} {bound}", "met": met})
+    return out
+
+
+def print_load(result: Mapping[str, Any]) -> None:
+    load = result["load"]
+    print(f"\n## {load['name']}: {load['model']} model, {load['requests']} requests, {load['concurrency']} concurrent, "
+          f"{load['max_tokens']} tokens" + (f", {load['long_fraction']:.0%} with ~{load['long_prompt_words']}-word prompts"
+                                             if load["long_fraction"] else "")
+          + f"; SLOs TTFT <= {load['ttft_slo_ms']:.0f} ms, worst gap <= {load['itl_slo_ms']:.0f} ms\n")
+    print(markdown_table(["metric", "vLLM-CPU", "epd", "epd / vLLM"], result["table"]))
+    for t in result["targets"]:
+        print(f"target {t['metric']} {t['target']}: worse round {fmt(t['worst'])} "
+              f"(rounds {', '.join(fmt(r) for r in t['rounds'])}) -> {'met' if t['met'] else 'MISSED'}")
+    idle = result["idle_peer_cpu_s"]
+    print("idle server's CPU s while the other ran: " + ", ".join(f"{n} {fmt(sum(v))}" for n, v in idle.items()))

@@ -1,0 +1,101 @@
+"""The index tensors one batched attention call needs, built once per forward (not per layer).
+
+A packed forward's sequences fall into two groups: decodes (one new token each) and
+prompt chunks (several). Each group is attended by ONE call per layer over a padded
+layout that every kernel in ``attention_kernels`` shares:
+
+* ``q_index [B, Q]``: packed-row index of each sequence's new tokens, padded to the
+  group's longest (padding points at row 0 and is never written back);
+* ``block_table [B, N]``: the blocks holding each sequence's context (positions
+  ``0..ctx_len-1``), padded with block 0; the context of sequence ``b`` is the first
+  ``ctx_lens[b]`` slots of its blocks laid end to end (``S = N * block_size``);
+* ``ctx_lens [B]``, ``q_starts [B]`` (= ``ctx_len - q_len``: the new tokens are the
+  context's tail), and ``mask [B, 1, Q, S]``: key ``s`` is visible to query ``i`` of
+  sequence ``b`` when ``s <= q_starts[b] + i`` and ``s < ctx_lens[b]``. A padded query
+  row sees the valid keys (never an empty row, so no NaN), and is dropped.
+
+Invariant: ``out_index`` lists the packed rows of the valid queries in the order
+``q_valid`` selects them, so ``out[out_index] = result[q_valid]`` writes each new
+token's output exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    q_index: torch.Tensor      # [B, Q] long
+    q_valid: torch.Tensor      # [B, Q] bool
+    out_index: torch.Tensor    # [valid] long: packed rows of q_index[q_valid]
+    block_table: torch.Tensor  # [B, N] long
+    ctx_lens: torch.Tensor     # [B] long
+    q_starts: torch.Tensor     # [B] long
+    mask: torch.Tensor | None  # [B, 1, Q, S] bool; None when B == 1 and the chunk is the whole context
+    max_ctx: int               # the longest context (keys past it are never visible)
+    block_size: int
+    one_run_start: int | None = None  # B == 1 with consecutive blocks: first block of its context (no gather)
+    kernel_state: dict[str, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
+
+    @property
+    def size(self) -> int:
+        return int(self.q_index.shape[0])
+
+    @property
+    def max_q(self) -> int:
+        return int(self.q_index.shape[1])
+
+
+def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
+                block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> AttentionGroup:
+    """One group from per-sequence facts (all lists of the same length B >= 1)."""
+    b = len(q_offsets)
+    max_q = max(q_lens)
+    max_ctx = max(ctx_lens)
+    n_blocks = max(-(-c // block_size) for c in ctx_lens)
+    table = torch.zeros(b, n_blocks, dtype=torch.long)
+    for i, (blocks, c) in enumerate(zip(block_tables, ctx_lens)):
+        need = -(-c // block_size)
+        if len(blocks) < need:
+            raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold a context of {c} tokens")
+        table[i, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
+    offsets = torch.as_tensor(list(q_offsets), dtype=torch.long)
+    lens = torch.as_tensor(list(q_lens), dtype=torch.long)
+    ctx = torch.as_tensor(list(ctx_lens), dtype=torch.long)
+    rows = torch.arange(max_q)
+    q_valid = rows[None, :] < lens[:, None]
+    q_index = torch.where(q_valid, offsets[:, None] + rows[None, :], torch.zeros((), dtype=torch.long))
+    q_starts = ctx - lens
+    mask = None
+    if not (b == 1 and q_lens[0] == ctx_lens[0] and q_lens[0] > 1):
+        keys = torch.arange(n_blocks * block_size)
+        q_pos = q_starts[:, None] + rows[None, :]                                   # [B, Q]
+        mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
+        mask = mask.unsqueeze(1).to(device)                                         # [B, 1, Q, S]
+    one_run = None
+    if b == 1:
+        first = table[0, : -(-ctx_lens[0] // block_size)]
+        if bool((first[1:] - first[:-1] == 1).all()):
+            one_run = int(first[0])
+    return AttentionGroup(
+        q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
+        block_table=table.to(device), ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
+        max_ctx=max_ctx, block_size=block_size, one_run_start=one_run,
+    )
+
+
+def build_groups(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> list[AttentionGroup]:
+    """The decodes (q_len 1) as one group and the prompt chunks as another; empty groups left out."""
+    groups = []
+    for want_decode in (True, False):
+        idx = [i for i, q in enumerate(q_lens) if (q == 1) == want_decode]
+        if idx:
+            groups.append(build_group([q_offsets[i] for i in idx], [q_lens[i] for i in idx], [ctx_lens[i] for i in idx],
+                                      [block_tables[i] for i in idx], block_size, device))
+    return groups
