@@ -55,6 +55,7 @@ from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
+from runtime.worker.tracing import annotate, span
 from runtime.worker.transfer_state import TransferState
 from runtime.worker.wire import logprobs_to_pb, ref_grids, sampled_from_pb, sampling_from_pb, token_digest
 
@@ -149,10 +150,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if fit is Fit.NEVER:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tokens} tokens can never fit this worker's KV pool")
         # the commit right after its check, no await between: it takes the blocks the check saw free
-        res = self.table.reserve(
-            request.request_id, request.prompt_tokens, request.max_tokens, unix_ms_to_monotonic(request.deadline_unix_ms),
-            request.token_digest, request.model_fingerprint or self.adapter.model_fingerprint,
-            rope_delta) if fit is Fit.NOW else None
+        with span("decode.reserve", **{"epd.request_id": request.request_id, "epd.tokens": tokens}):
+            res = self.table.reserve(
+                request.request_id, request.prompt_tokens, request.max_tokens,
+                unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
+                request.model_fingerprint or self.adapter.model_fingerprint, rope_delta) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room for {tokens} tokens ({self.pool.free_blocks} free blocks)")
@@ -204,22 +206,30 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                        rope_delta=res.rope_delta, prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [])   # the transfer or the colocated prompt must agree before insertion
         keep_reservation = False
         try:
+            annotate(**{"epd.request_id": request.request_id,
+                        "epd.placement": "colocated" if request.colocated else "disaggregated"})
             if request.colocated:
-                await self._start_colocated(request, res, lease, seq, deadline, context)
+                with span("decode.colocated_prefill", **{"epd.request_id": request.request_id}):
+                    await self._start_colocated(request, res, lease, seq, deadline, context)
             else:
                 if seq.prompt_ids and len(seq.prompt_ids) != res.prompt_tokens:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"{len(seq.prompt_ids)} prompt ids for a reservation of {res.prompt_tokens} tokens")
-                failure = await self._await_transfer(res, lease, deadline)
+                failure = await self._await_transfer(res, lease, deadline, request.request_id)
                 if failure is not None:
                     code, detail, keep_reservation = failure
                     await context.abort(code, detail)
-                self.scheduler.insert(seq, sampled_from_pb(res.attempt.first_token, res.attempt.first_logprobs))
+                with span("decode.insert", **{"epd.request_id": request.request_id}):
+                    self.scheduler.insert(seq, sampled_from_pb(res.attempt.first_token, res.attempt.first_logprobs))
             first = True
             while True:
                 timeout = max(0.0, deadline - time.monotonic()) if first else None
                 try:
-                    ev = await asyncio.wait_for(seq.events.get(), timeout)
+                    if first:   # the first step: the wait for the running batch to make this sequence's token
+                        with span("decode.first_step", **{"epd.request_id": request.request_id}):
+                            ev = await asyncio.wait_for(seq.events.get(), timeout)
+                    else:
+                        ev = await asyncio.wait_for(seq.events.get(), timeout)
                 except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
                 if ev.end in _ABORT_CODES:
@@ -238,8 +248,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             elif not seq.status.is_finished and not keep_reservation:
                 self.table.release_lease(lease, "generate ended before insertion")
 
-    async def _await_transfer(self, res: Reservation, lease: Lease,
-                              deadline: float) -> tuple[grpc.StatusCode, str, bool] | None:
+    async def _await_transfer(self, res: Reservation, lease: Lease, deadline: float,
+                              request_id: str = "") -> tuple[grpc.StatusCode, str, bool] | None:
         """Wait for the transfer's verdict: ``None`` when verified (the reservation is then INSERTED),
         else (status, detail, keep the reservation).
 
@@ -248,10 +258,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         """
         attempt = res.attempt
         try:
-            await asyncio.wait_for(attempt.done.wait(), max(0.0, deadline - time.monotonic()))
+            with span("decode.wait_for_kv", **{"epd.request_id": request_id}):
+                await asyncio.wait_for(attempt.done.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             return (grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"KV transfer not complete before the deadline (state {attempt.state.name})", False)
+        with span("decode.verify", **{"epd.request_id": request_id, "epd.transfer_state": attempt.state.name}):
+            return self._transfer_verdict(res, attempt, lease)
+
+    def _transfer_verdict(self, res: Reservation, attempt, lease: Lease) -> tuple[grpc.StatusCode, str, bool] | None:
+        """The landed transfer's verdict (the receiver verified every chunk, the digest, fingerprint and
+        rope delta as they landed; ``decode_svc/kv_receiver.py``): ``None`` means inserted."""
         if res.status is DecodeStatus.RELEASED:
             return grpc.StatusCode.ABORTED, f"reservation released: {attempt.detail}", False
         if attempt is not res.attempt:
@@ -311,7 +328,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
-                "free_blocks": self.pool.free_blocks, "running_seqs": self.scheduler.running_seqs,
+                "free_blocks": self.pool.free_blocks, "total_blocks": self.pool.num_blocks,
+                "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 

@@ -35,6 +35,7 @@ from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.errors import InvalidImage
 from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.serving_state import ServingState
+from runtime.worker.tracing import span
 from runtime.worker.wire import tensor_to_pb
 
 from .batcher import EncodeBatcher
@@ -72,7 +73,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 await asyncio.sleep(self.stall_s)
             out = []
             for image in request.images:
-                key, tensor, hit = await self._embedding(image, context)
+                key, tensor, hit = await self._embedding(image, context, request.request_id)
                 (record,) = self.adapter.embeddings([tensor])   # the stored layout read back (checked)
                 item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=record.tokens, grid_thw=record.grid or ())
                 if request.return_embeddings:
@@ -82,11 +83,14 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         finally:
             self.in_flight -= 1
 
-    async def _embedding(self, image: pb.EncodeImage, context) -> tuple[str, torch.Tensor, bool]:
+    async def _embedding(self, image: pb.EncodeImage, context, request_id: str = "") -> tuple[str, torch.Tensor, bool]:
         """``(key, embedding, cache_hit)`` for one image: by key first, bytes decoded only on a miss."""
         ref = image.ref
         if ref.cache_key:
-            tensor = await self.cache.get(ref.cache_key)
+            with span("encoder.cache_check", **{"epd.request_id": request_id}) as s:
+                tensor = await self.cache.get(ref.cache_key)
+                if s is not None:
+                    s.set_attribute("epd.cache_hit", tensor is not None)
             if tensor is not None:
                 self.cache_hits += bool(image.data)
                 return ref.cache_key, tensor, True
@@ -98,7 +102,10 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ref.cache_key and ref.cache_key != key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
-        tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded))
+        with span("encoder.encode", **{"epd.request_id": request_id}) as s:
+            tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded))
+            if s is not None:
+                s.set_attribute("epd.cache_hit", bool(hit))
         self.cache_hits += hit
         return key, tensor, hit
 
@@ -114,7 +121,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"queue_depth": self.batcher.queue_depth, "in_flight": self.in_flight,
-                "single_flight_in_flight": self.cache.in_flight}
+                "single_flight_in_flight": self.cache.in_flight, "encoder_computes_total": self.batcher.computes,
+                "encoder_cache_hits_total": self.cache_hits}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return self.state.stats(

@@ -9,10 +9,11 @@ Routes:
 ``GET /health``                200 when the backend is healthy, else 503
 ``GET /metrics``               Prometheus text format (``gateway.http_metrics``)
 ``GET /status``                the backend's ``status()`` as JSON
+``GET /dashboard``             the live operator page; its data is ``/dashboard/data`` (``gateway.dashboard``)
 =============================  ==========================================================
 
 With API keys configured (``--api-key`` / ``EPD_API_KEY``), ``/v1/*`` (and, unless
-``open_metrics_and_status``, ``/metrics`` and ``/status``) need ``Authorization:
+``open_metrics_and_status``, ``/metrics``, ``/status`` and ``/dashboard/data``) need ``Authorization:
 Bearer KEY``; see ``gateway.auth``. ``/health`` is always open.
 
 Request headers: ``x-ttft-slo-ms`` and ``x-itl-slo-ms`` override the settings'
@@ -30,6 +31,7 @@ lifespan, together with the remote-image fetcher (``gateway.images``) and its HT
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,18 +44,23 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime.worker.tracing import instrument_app
+
 from .auth import install_api_keys
 from .chat_backend import ChatBackend
 from .chat_handler import ChatHandler
 from .completions_handler import CompletionsHandler
 from .completions_schema import CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeResponse
+from .dashboard import install_dashboard
 from .errors import ApiError, error_body, install_error_handlers
 from .images import ImageLimits, ImageLoader, RemoteImageFetcher
+from .live_window import CounterHistory, read_counters
 from .loop_lag import LoopLagMonitor
 from .media_policy import MediaNetwork
 from .http_metrics import HttpMetrics
 from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
 from .prompt import PromptBuilder
+from .request_journal import RequestJournal
 from .settings import GatewaySettings
 from .tokenize_handler import TokenizeHandler
 
@@ -151,7 +158,9 @@ def create_app(
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels, settings.max_image_side)
     images = ImageLoader(limits, fetcher=None)
     loop_lag = LoopLagMonitor(on_sample=metrics.loop_lag.set)
-    handler = ChatHandler(settings, orchestrator, prompts, images, metrics, loop_lag)
+    journal = RequestJournal()
+    history = CounterHistory(lambda: read_counters([metrics.registry, *metrics.extra]))
+    handler = ChatHandler(settings, orchestrator, prompts, images, metrics, loop_lag, journal)
     completions = CompletionsHandler(handler)
     tokenizing = TokenizeHandler(handler)
     created = int(time.time())
@@ -162,10 +171,13 @@ def create_app(
         fetcher = RemoteImageFetcher.open(settings, media_network) if settings.allow_remote_images else None
         images.fetcher = fetcher
         loop_lag.start()
+        sampler = asyncio.create_task(history.run(), name="dashboard-counter-history")
         log.info("gateway serving %s from %s", settings.served_model_name, settings.model)
         try:
             yield
         finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
             await loop_lag.stop()
             images.fetcher = None
             try:
@@ -180,6 +192,7 @@ def create_app(
     app.state.prompts = prompts
     app.state.loop_lag = loop_lag
     install_error_handlers(app)
+    instrument_app(app)   # HTTP server spans, when tracing is on (runtime/worker/tracing.py)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:   # added last: the outermost middleware, so nothing runs before the key check
         install_api_keys(app, settings.api_key, settings.open_metrics_and_status, metrics.registry)
@@ -226,6 +239,8 @@ def create_app(
         if model != settings.served_model_name:
             raise ApiError(404, f"model {model!r} is not served here", "invalid_request_error", "model", "model_not_found")
         return model_card()
+
+    install_dashboard(app, settings, orchestrator, metrics, history, journal)
 
     @app.get("/health")
     async def health() -> JSONResponse:

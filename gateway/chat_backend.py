@@ -55,6 +55,9 @@ class ChatJob:
     # The workers verify both before insertion, so a job built without them fails loudly, never silently.
     image_grids: list[tuple[int, int, int] | None] = field(default_factory=list)
     rope_delta: int = 0
+    # what the backend decided, for the request's log line and the dashboard (gateway/request_journal.py)
+    placement: str = ""
+    placement_reason: str = ""
 
 
 @dataclass(slots=True)

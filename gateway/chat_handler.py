@@ -62,6 +62,7 @@ from .openai_schema import (
     Usage,
 )
 from .prompt import BuiltPrompt, PromptBuilder
+from .request_journal import RequestJournal, RequestRecord
 from .sampling_fields import sampling_problem
 from .settings import GatewaySettings
 
@@ -98,8 +99,10 @@ def failure_reason(error: ApiError) -> str:
 
 class ChatHandler:
     def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
-                 images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None):
+                 images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None,
+                 journal: RequestJournal | None = None):
         self.settings = settings
+        self.journal = journal or RequestJournal()
         self.loop_lag = loop_lag or LoopLagMonitor()   # not started: reads 0
         self.backend = backend
         self.prompts = prompts
@@ -203,6 +206,7 @@ class ChatHandler:
         detok = IncrementalDetokenizer(self.prompts.decode_tokenizer, stops)
         generation = Generation(job, self.backend.generate(job), detok, self.metrics, time.monotonic())
         try:
+            request.state.job, request.state.generation = job, generation   # for the request's record (serve)
             first = await unless_disconnected(request, generation.first_event(self.settings.deadline_grace_ms / 1e3))
         except BaseException:
             await generation.close()
@@ -219,15 +223,25 @@ class ChatHandler:
         arrival_s = time.monotonic() - hidden_wait_s
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
+        request.state.job = request.state.generation = None
         try:
             self._shed_if_backlogged(request, hidden_wait_s)
-            return await work(request, request_id, arrival_s)
+            response = await work(request, request_id, arrival_s)
+            generation = request.state.generation
+            if generation is not None and not isinstance(response, SSEResponse):   # a stream records its own end
+                self.journal_end(request_id, generation.job, generation, generation.finish_reason or "stop",
+                                 response.status_code)
+            return response
         except ClientDisconnected:
             self.metrics.failure.labels(reason="cancelled").inc()
             log.info("request %s: client disconnected, cancelled", request_id)
+            self.journal_end(request_id, request.state.job, request.state.generation, "cancelled", 499)
             return Response(status_code=499)  # nobody is listening; for the access log
         except Exception as exc:
             error = self._count_failure(exc)
+            self.journal_end(request_id, request.state.job, request.state.generation,
+                             "internal" if error is None else failure_reason(error),
+                             500 if error is None else error.status)
             if error is None:
                 raise
             error.headers.setdefault("x-request-id", request_id)
@@ -257,6 +271,17 @@ class ChatHandler:
         if wait_ms > ttft_slo_ms:
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
                                    wait_ms / 1000.0)
+
+    def journal_end(self, request_id: str, job: ChatJob | None, generation: Generation | None, outcome: str,
+                    status: int) -> None:
+        """The request's one record (``gateway.request_journal``): called once on every path."""
+        breakdown = dict(generation.ttft_breakdown) if generation is not None else {}
+        self.journal.ended(RequestRecord(
+            request_id, outcome, status,
+            placement=job.placement if job else "", placement_reason=job.placement_reason if job else "",
+            prompt_tokens=len(job.token_ids) if job else 0, images=len(job.images) if job else 0,
+            completion_tokens=generation.completion_tokens if generation else 0,
+            ttft_ms=breakdown.get("ttft_ms"), breakdown=breakdown))
 
     def _count_failure(self, exc: BaseException) -> ApiError | None:
         """Count a failed request by reason; return its ``ApiError``, or ``None`` for a bug (500)."""
@@ -319,15 +344,15 @@ class ChatHandler:
     async def guarded_stream(self, generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """``body``'s events, then ``[DONE]``; an error after the headers goes into the stream as an error
         object; every path closes ``generation`` and counts a stream the client left as cancelled."""
-        outcome: str | None = None   # "finished" or "failed"; None at the end means cancelled
+        outcome: str | None = None   # "finished" or a failure reason; None at the end means cancelled
         try:
             async for event in body:
                 yield event
             outcome = "finished"
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # after the headers: the error goes into the stream
-            outcome = "failed"
             error = self._count_failure(exc)
+            outcome = "internal" if error is None else failure_reason(error)
             if error is None:
                 log.exception("request %s failed mid-stream", generation.job.request_id)
             document = error.body() if error is not None else internal_error_body(generation.job.request_id)
@@ -339,6 +364,9 @@ class ChatHandler:
                 log.info("request %s: stream closed early (client gone), cancelled", generation.job.request_id)
             await body.aclose()   # type: ignore[attr-defined]  # always an async generator here
             await generation.close()
+            ended = (generation.finish_reason or "stop") if outcome == "finished" else (
+                outcome or ("cancelled" if generation.finish_reason is None else generation.finish_reason))
+            self.journal_end(generation.job.request_id, generation.job, generation, ended, 200)
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:

@@ -124,7 +124,7 @@ class Generation:
 
     def _on_first(self, event: TokenEvent, now: float) -> None:
         ttft = now - self.job.arrival_s
-        self.metrics.ttft.observe(ttft)
+        self.metrics.observe_ttft(ttft)
         breakdown = dict(event.ttft_breakdown or {})
         breakdown.setdefault("gateway_ms", (self.submitted_s - self.job.arrival_s) * 1e3)
         breakdown.setdefault("ttft_ms", ttft * 1e3)

@@ -30,6 +30,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
+from .live_window import TimedSamples
+
 FAILURE_REASONS = ("client_error", "refused", "deadline", "backend", "cancelled", "internal")
 
 
@@ -52,10 +54,17 @@ class HttpMetrics:
         self.generation_tokens = Counter("epd:generation_tokens", "Tokens generated.", registry=r)
         self.loop_lag = Gauge("epd:gateway_event_loop_lag_seconds",
                               "How late the gateway's event loop ran its last probe (see loop_lag.py).", registry=r)
+        # the last minute's raw values, for /dashboard's percentiles (gateway.live_window)
+        self.recent_ttft = TimedSamples()
+        self.recent_itl = TimedSamples()
         for reason in ("stop", "length"):
             self.success.labels(finished_reason=reason)
         for reason in FAILURE_REASONS:
             self.failure.labels(reason=reason)
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.recent_ttft.add(ttft_s)
 
     def observe_tokens(self, gap_s: float, count: int) -> None:
         """An event of ``count`` tokens arrived ``gap_s`` after the previous one: ``count`` ITL samples."""
@@ -64,6 +73,7 @@ class HttpMetrics:
         per_token = gap_s / count
         for _ in range(count):
             self.itl.observe(per_token)
+        self.recent_itl.add(per_token, count)
         self.generation_tokens.inc(count)
 
     def render(self) -> tuple[bytes, str]:

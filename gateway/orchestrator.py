@@ -39,12 +39,14 @@ import time
 from collections.abc import AsyncIterator
 
 from runtime.policy.loads import RequestShape
+from runtime.worker.tracing import annotate, span
 from runtime.worker.wire import token_digest
 
 from . import pipeline_metrics as m
 from .admission import GatewayAdmission
 from .chat_backend import AdmissionRefused, ChatJob, TokenEvent
 from .encoder_step import EncoderStep
+from .fit_check import MeasuredTimings
 from .handoff import Handoff
 from .seen_images import SeenImages
 from .settings import GatewaySettings
@@ -57,8 +59,9 @@ class Orchestrator:
         self.settings = settings
         self.admission = GatewayAdmission(settings)   # the cost model, the pressure, the decision
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
-        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self.admission.observe,
-                                                   on_refresh=self._publish_queue_depths, token=settings.internal_token)
+        self.measured = MeasuredTimings()
+        self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._on_sample,
+                                                   on_refresh=self._publish_gauges, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
         self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages())
@@ -83,12 +86,25 @@ class Orchestrator:
         plus ``waiting_first_token``: requests admitted here that have no first token yet."""
         return {**self.registry.status(), "placement_mode": self.settings.placement,
                 "cost_model": self.admission.cost_model.calibration(),
+                "cost_model_vs_measured": self.measured.summary(self.admission.cost_model),
                 "waiting_first_token": self.admission.pressure.waiting}
 
-    def _publish_queue_depths(self) -> None:
-        """``epd:queue_depth{stage}``: what the autoscalers (HPA) scale each stage on."""
+    def _on_sample(self, role: str, sample) -> None:
+        """A worker's timing sample: it calibrates the cost model, and the dashboard shows both."""
+        self.admission.observe(role, sample)
+        self.measured.add(sample.kind, sample.size, sample.ms)
+
+    def _publish_gauges(self) -> None:
+        """After every poll round: ``epd:queue_depth{stage}`` (what the autoscalers, HPA, scale each
+        stage on), ``epd:healthy_workers{stage}``, and the cost model's fit beside the measured times."""
         for role in ("encoder", "prefill", "decode"):
-            m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in self.registry.healthy(role) if h.stats))
+            healthy = self.registry.healthy(role)
+            m.QUEUE_DEPTH.labels(role).set(sum(h.stats.queue_depth for h in healthy if h.stats))
+            m.HEALTHY_WORKERS.labels(role).set(len(healthy))
+        for kind, row in self.measured.summary(self.admission.cost_model).items():
+            if row["samples"]:
+                m.COST_FIT_MS.labels(kind).set(row["fitted_ms"])
+                m.COST_MEASURED_MS.labels(kind).set(row["measured_ms"])
 
     # -- the request ---------------------------------------------------------------
     async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
@@ -97,18 +113,30 @@ class Orchestrator:
             m.ADMISSION_REJECTED.labels("ttft_deadline").inc()
             raise AdmissionRefused(429, "request refused at admission: the TTFT deadline is already past", 1.0)
         breakdown: dict[str, float] = {"gateway_queue_ms": (time.monotonic() - job.arrival_s) * 1000}
-        images = await self.encoder_step.plan(job)
+        rid = {"epd.request_id": job.request_id}
+        annotate(**rid)
+        with span("gateway.cache_check", **rid, **{"epd.images": len(job.images)}):
+            images = await self.encoder_step.plan(job)
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=images.n_cached)
-        admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
+        with span("gateway.admission", **rid, **{"epd.remaining_ms": remaining_ms}) as s:
+            admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
+            if s is not None:
+                s.set_attribute("epd.admitted", admission.ok)
+                s.set_attribute("epd.reason", admission.reason or "")
         if not admission.ok:
             raise self.admission.refusal(admission)
         decision = admission.decision
-        ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
+        job.placement, job.placement_reason = decision.placement, decision.reason
+        with span("gateway.placement", **rid, **{"epd.placement": decision.placement,
+                                                 "epd.placement_reason": decision.reason}):
+            ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
+        annotate(**{"epd.placement": decision.placement, "epd.placement_reason": decision.reason})
         first = True
         try:
-            await self.encoder_step.encode(job, images, breakdown)
+            with span("gateway.encode", **rid, **{"epd.images": len(job.images), "epd.images_cached": images.n_cached}):
+                await self.encoder_step.encode(job, images, breakdown)
             colocated = decision.placement == "colocated"
             digest = token_digest(job.token_ids, images.keys, job.image_grids, job.rope_delta)
             handoff = Handoff(job, shape, decision, images.refs, digest, breakdown,

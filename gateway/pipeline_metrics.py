@@ -18,3 +18,7 @@ KV_TRANSFER_LATENCY = Histogram("epd:kv_transfer_latency_seconds", "KV transfer 
 KV_TRANSFER_FAILED = Counter("epd:kv_transfer_failed_total", "Failed KV transfer attempts")
 FAILURE_ACTIONS = Counter("epd:transfer_failure_actions_total", "What the gateway did after a failed transfer", ["action"])
 ENCODER_CACHE_CHECKS = Counter("epd:gateway_image_cache_checks_total", "Images checked against the encoder cache", ["cached"])
+HEALTHY_WORKERS = Gauge("epd:healthy_workers", "Workers of each stage that answered their last poll serving", ["stage"])
+COST_FIT_MS = Gauge("epd:cost_model_fit_ms", "The cost model's fit at the last minute's measured sizes, mean ms "
+                    "(beside epd:cost_model_measured_ms)", ["kind"])
+COST_MEASURED_MS = Gauge("epd:cost_model_measured_ms", "What the workers measured over the last minute, mean ms", ["kind"])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import uvicorn
 
 from runtime.model.supported_models import UnsupportedModel, check_checkpoint
+from runtime.worker.log_format import configure_logging
+from runtime.worker.tracing import setup_tracing, shutdown_tracing
 
 from .app import create_app
 from .orchestrator import Orchestrator
@@ -30,6 +31,8 @@ def parse_gateway_args(argv: list[str]) -> GatewaySettings:
     p.add_argument("--limit-images-per-request", type=int, help="images one request may carry (more: 400)")
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--itl-slo-ms", type=float)
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", help="export OpenTelemetry traces over OTLP/HTTP to URL")
     sec = p.add_argument_group("security", "see docs/deploy.md; each flag overrides its EPD_* variable")
     sec.add_argument("--api-key", action="append", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys; env EPD_API_KEY=k1,k2)")
@@ -54,10 +57,14 @@ def main(argv: list[str]) -> int:
     except (UnsupportedModel, OSError) as exc:
         print("epd gateway: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_format)
+    setup_tracing("epd-gateway", settings.otlp_traces_endpoint)   # before the app and its channels
     app = create_app(settings, Orchestrator(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
+                    timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    finally:
+        shutdown_tracing()
     return 0
 
 

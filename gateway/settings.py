@@ -68,6 +68,10 @@ class GatewaySettings(BaseSettings):
     allowed_media_domains: CommaList = Field(default_factory=list, description="gateway: comma-separated hostnames image URLs may name (empty: any public host)")
     allow_private_media_urls: bool = Field(default=False, description="gateway: also fetch images from loopback and private addresses")
 
+    # observability (gateway/dashboard/, gateway/request_journal.py, runtime/worker/tracing.py)
+    log_format: Literal["text", "json"] = Field(default="text", description="log lines as `text` or one JSON object each (`--log-format json`; runtime/worker/log_format.py)")
+    otlp_traces_endpoint: str | None = Field(default=None, description="OTLP/HTTP traces endpoint, e.g. `http://collector:4318/v1/traces` (`--otlp-traces-endpoint`; unset with no `OTEL_EXPORTER_OTLP_*` endpoint: tracing off)")
+
     # per-request caps and prompt building
     max_slo_ms: float = Field(default=120_000.0, gt=0, description="gateway: the largest x-ttft-slo-ms / x-itl-slo-ms a request may send")
     prompt_workers: int = Field(default=4, ge=1, description="gateway: prompts rendered and tokenized at once, each on its own processor copy")

@@ -81,6 +81,10 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
                    help="images one request may carry; more is a 400 before any work (EPD_LIMIT_IMAGES_PER_REQUEST)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
+    p.add_argument("--log-format", choices=["text", "json"], default=gateway.log_format,
+                   help="every process's log lines as text or one JSON object each (EPD_LOG_FORMAT)")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", default=gateway.otlp_traces_endpoint,
+                   help="every process exports OpenTelemetry traces over OTLP/HTTP to URL (EPD_OTLP_TRACES_ENDPOINT)")
     p.add_argument("--restart-backoff-s", type=float, default=serve.restart_backoff_s,
                    help="first restart delay of a crashed child, doubling per further crash (EPD_RESTART_BACKOFF_S)")
     p.add_argument("--restart-max-backoff-s", type=float, default=serve.restart_max_backoff_s,
@@ -142,6 +146,14 @@ def child_environments(args: argparse.Namespace, addrs: dict[str, list[str]],
     return workers, gateway
 
 
+def observability_flags(args: argparse.Namespace) -> list[str]:
+    """``--log-format`` and ``--otlp-traces-endpoint``, the same for every child."""
+    flags = ["--log-format", args.log_format]
+    if args.otlp_traces_endpoint:
+        flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    return flags
+
+
 def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[str, list[str]],
                  env: dict[str, str]) -> list[ChildSpec]:
     specs = []
@@ -150,6 +162,7 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
         for i, address in enumerate(addrs[role]):
             argv = [*EXE, role, "--model", args.model, "--host", WORKER_HOST, "--port", address.rsplit(":", 1)[1],
                     "--device", args.device, "--limit-images-per-request", str(args.limit_images_per_request)]
+            argv += observability_flags(args)
             if worker.metrics_port:          # one port each, from the one configured on
                 argv += ["--metrics-port", str(worker.metrics_port + n)]
             if role == "decode" and worker.bulk_port:
@@ -163,7 +176,7 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
 def gateway_spec(args: argparse.Namespace, gateway: GatewaySettings, env: dict[str, str]) -> ChildSpec:
     argv = [*EXE, "gateway", "--model", args.model, "--served-model-name", args.served_model_name,
             "--host", args.host, "--port", str(args.port), "--placement", args.placement,
-            "--limit-images-per-request", str(args.limit_images_per_request)]
+            "--limit-images-per-request", str(args.limit_images_per_request), *observability_flags(args)]
     return ChildSpec("gateway", f"{args.host}:{args.port}", argv, env, functools.partial(accepting, args.host, args.port),
                      stop_group=0, stop_timeout_s=gateway.drain_timeout_s + STOP_GRACE_S)
 

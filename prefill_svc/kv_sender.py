@@ -31,6 +31,7 @@ from runtime.model.tensor_bytes import dtype_name
 from runtime.worker.faults import FaultInjector
 from runtime.worker.internal_auth import bulk_preamble
 from runtime.worker.timing_log import TimingLog
+from runtime.worker.tracing import span
 from runtime.worker.transfer_state import TransferState, from_wire
 from runtime.model.sampling import SampledToken
 from runtime.worker.wire import logprobs_to_pb, payload_checksum
@@ -154,9 +155,11 @@ class KVSender:
 
     async def _grpc_messages(self):
         async for chunk, payload in self._chunks():
-            msg = pb.KVChunk()
-            msg.CopyFrom(chunk)
-            msg.payload = bytes(payload)  # protobuf needs bytes: the gRPC path's extra copy
+            with span("prefill.send", **{"epd.request_id": chunk.request_id, "epd.chunk": chunk.chunk_index,
+                                         "epd.bytes": len(payload), "epd.transport": "grpc"}):
+                msg = pb.KVChunk()
+                msg.CopyFrom(chunk)
+                msg.payload = bytes(payload)  # protobuf needs bytes: the gRPC path's extra copy
             yield msg
 
     async def _run(self) -> pb.PushKVResponse:
@@ -199,8 +202,10 @@ class KVSender:
                     connected = True
                 header = chunk.SerializeToString()
                 started = time.perf_counter()
-                await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
-                await loop.sock_sendall(sock, payload)
+                with span("prefill.send", **{"epd.request_id": chunk.request_id, "epd.chunk": chunk.chunk_index,
+                                             "epd.bytes": len(payload), "epd.transport": "bulk"}):
+                    await loop.sock_sendall(sock, _LEN.pack(len(header)) + header)
+                    await loop.sock_sendall(sock, payload)
                 if self._timings is not None:  # the link's own time for this chunk, no compute waits in it
                     self._timings.record("transfer", len(payload), (time.perf_counter() - started) * 1000)
             if not connected:       # no chunk at all: the stream ended before prefill produced one

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
+from runtime.worker.tracing import current_context, record_span
 
 from .kv_sender import FinalChunk, KVSender, ReadyChunk
 
@@ -51,6 +53,7 @@ class PrefillJob:
     compute_ms: float = 0.0
     cancelled: bool = False
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    trace: Any = field(default_factory=current_context)   # its Prefill RPC's trace context (None: tracing off)
 
     @property
     def prompt_len(self) -> int:
@@ -127,9 +130,14 @@ class PrefillScheduler:
 
     async def _step(self, batch: list[PrefillJob]) -> None:
         spans = [(job, job.next_start, min(job.prompt_len, job.next_start + job.chunk_tokens)) for job in batch]
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         chunks, first_tokens = await asyncio.to_thread(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
+        ended_ns = time.time_ns()
+        for job, start, end in spans:
+            record_span("prefill.chunk", job.trace, started_ns, ended_ns, **{
+                "epd.request_id": job.request_id, "epd.chunk": job.chunk_index, "epd.tokens": end - start,
+                "epd.batch": len(spans)})
         self.max_observed_batch = max(self.max_observed_batch, len(batch))
         self.timings.record("prefill", sum(e - s for _, s, e in spans), step_ms)
         for (job, start, end), kv, first in zip(spans, chunks, first_tokens):

@@ -150,3 +150,16 @@ def test_a_gateway_port_in_use_is_refused_before_anything_starts(capsys):
         assert serve.main(["--host", "127.0.0.1", "--port", str(port)]) == 1
     assert time.monotonic() - t0 < 5, "refused at once, no worker started"
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_log_format_and_traces_endpoint_reach_every_child(monkeypatch):
+    _, _, workers, gateway = build([])
+    assert all(flag(c.argv, "--log-format") == "text" and "--otlp-traces-endpoint" not in c.argv
+               for c in [*workers, gateway])
+    _, _, workers, gateway = build(["--log-format", "json", "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces"])
+    assert all(flag(c.argv, "--log-format") == "json"
+               and flag(c.argv, "--otlp-traces-endpoint") == "http://127.0.0.1:4318/v1/traces"
+               for c in [*workers, gateway])
+    monkeypatch.setenv("EPD_LOG_FORMAT", "json")
+    _, _, workers, _ = build([])
+    assert all(flag(c.argv, "--log-format") == "json" for c in workers)

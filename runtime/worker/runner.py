@@ -12,7 +12,6 @@ A role's ``server.py`` states only what is its own: one ``WorkerRole``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime.worker.grpc_server import WorkerServer, run_until_signal
 from runtime.worker.internal_auth import exposure_problem
+from runtime.worker.log_format import configure_logging
+from runtime.worker.tracing import setup_tracing, shutdown_tracing
 from runtime.worker.serving_state import ServingState
 from runtime.worker.settings import WorkerSettings
 
@@ -73,9 +74,13 @@ def run_worker(role: WorkerRole, argv: list[str]) -> int:
     except (UnsupportedModel, OSError) as exc:
         print(f"epd {role.name}: " + " ".join(str(exc).split()), file=sys.stderr)
         return 2
-    configure_logging()
+    configure_logging(settings.log_format)
+    setup_tracing(f"epd-{role.name}", settings.otlp_traces_endpoint)   # before any server or channel
     torch.set_grad_enabled(False)
-    asyncio.run(_serve(role, settings))
+    try:
+        asyncio.run(_serve(role, settings))
+    finally:
+        shutdown_tracing()
     return 0
 
 
@@ -95,6 +100,3 @@ async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
     finally:
         await servicer.close()
 
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -64,6 +64,8 @@ class WorkerSettings(BaseSettings):
         default="bulk", description="decode: `bulk` accepts KV on a raw TCP path beside gRPC, `grpc` only over PushKV")
     bulk_port: int = Field(default=0, ge=0, le=65535, description="decode: bulk KV port (0: any free port, advertised in Reserve)")
     bulk_idle_timeout_s: float = Field(default=30.0, gt=0, description="decode: a bulk KV stream silent this long is closed")
+    log_format: Literal["text", "json"] = Field(default="text", description="log lines as `text` or one JSON object each (`--log-format json`; runtime/worker/log_format.py)")
+    otlp_traces_endpoint: str | None = Field(default=None, description="OTLP/HTTP traces endpoint, e.g. `http://collector:4318/v1/traces` (`--otlp-traces-endpoint`; unset with no `OTEL_EXPORTER_OTLP_*` endpoint: tracing off)")
     faults: str = Field(default="", description="fault injection spec, e.g. `drop_chunk=0.2,seed=1` (tests only; runtime/worker/faults.py)")
     # security (runtime/worker/internal_auth.py, runtime/worker/peers.py): the token every worker RPC
     # and bulk stream must carry, and the only peers this worker dials (plus the Redis registry)
@@ -119,6 +121,8 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--limit-images-per-request", type=int, help="images one request may carry")
     p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
     p.add_argument("--bulk-port", type=int)
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", help="export OpenTelemetry traces over OTLP/HTTP to URL")
     p.add_argument("--faults", help="fault injection spec, e.g. 'drop_chunk=0.2,seed=1' (tests only)")
     p.add_argument("--encoder-addrs", help="comma-separated host:port of the encoders this worker may fetch from")
     p.add_argument("--decode-addrs", help="comma-separated host:port of the decode workers this worker may push KV to")

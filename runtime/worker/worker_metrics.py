@@ -22,10 +22,17 @@ _GAUGES = {
     "reservations_active": "Decode reservations holding KV blocks",
     "pending_chunks": "KV chunks landed but not yet inserted",
     "free_blocks": "Free KV blocks",
+    "total_blocks": "KV blocks in the pool",
+    "cached_blocks": "KV blocks held by the prefix cache (when the worker has one)",
     "running_seqs": "Sequences in the running batch",
     "queue_depth": "Requests queued at this worker",
     "in_flight": "Requests in flight at this worker",
     "single_flight_in_flight": "Encoder-cache single-flight computations in progress",
+}
+
+_COUNTERS = {   # local_stats key ``<name>_total`` -> ``epd:worker_<name>_total``
+    "encoder_computes": "Images the encoder computed (cache misses)",
+    "encoder_cache_hits": "Images sent to the encoder that were already cached",
 }
 
 
@@ -40,6 +47,11 @@ class _WorkerCollector:
                 g = GaugeMetricFamily(f"epd:worker_{name}", help_)
                 g.add_metric([], float(stats[name]))
                 yield g
+        for name, help_ in _COUNTERS.items():
+            if f"{name}_total" in stats:
+                c = CounterMetricFamily(f"epd:worker_{name}", help_)
+                c.add_metric([], float(stats[f"{name}_total"]))
+                yield c
         if "lease_reaped_total" in stats:
             c = CounterMetricFamily("epd:lease_reaped", "Reservations the lease reaper released (nobody freed them in time)")
             c.add_metric([], float(stats["lease_reaped_total"]))
