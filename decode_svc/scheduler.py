@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SamplingParams, sample_token
@@ -76,6 +77,7 @@ class Sequence:
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
     first_step_ms: float | None = None
+    matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -91,6 +93,10 @@ class Sequence:
     def next_position(self) -> int:
         """Position of the last sampled token (its KV is written by the next step)."""
         return self.prompt_len + len(self.output) - 1
+
+
+def _allowed(seq: Sequence):
+    return None if seq.matcher is None else seq.matcher.allowed()
 
 
 class DecodeScheduler:
@@ -115,7 +121,7 @@ class DecodeScheduler:
     # -- admission into the batch ----------------------------------------------
     def insert(self, seq: Sequence, first_token: int) -> None:
         """A verified handoff joins the batch; its first token (from prefill) is emitted now."""
-        if self._lease_lost(seq):
+        if self._lease_lost(seq) or not self._start_grammar(seq):
             return
         if self._accept(seq, first_token):
             seq._status = DecodeStatus.RUNNING
@@ -124,13 +130,25 @@ class DecodeScheduler:
 
     def insert_colocated(self, seq: Sequence, prompt: PreparedPrompt, chunk_tokens: int | None = None) -> None:
         """Prefill here, at most ``chunk_tokens`` (default: the step's token budget) per step."""
-        if self._lease_lost(seq):
+        if self._lease_lost(seq) or not self._start_grammar(seq):
             return
         seq.prompt = prompt
         seq.prefill_chunk = chunk_tokens
         seq._status = DecodeStatus.PREFILLING
         self._prefilling.append(seq)
         self._wake.set()
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        """A constrained sequence's matcher, at the grammar's start: it verifies every token from here
+        on, the first one from prefill included. A grammar that does not compile retires the sequence."""
+        if not seq.sampling.grammar:
+            return True
+        try:
+            seq.matcher = grammar.Matcher(seq.sampling.grammar, grammar.model_vocabulary(self.adapter))
+        except grammar.GrammarError as exc:
+            self._retire(seq, DecodeStatus.FINISHED_ERROR, f"grammar does not compile: {exc}")
+            return False
+        return True
 
     def cancel(self, seq: Sequence) -> None:
         """Mark for removal; it leaves at the next step boundary (or now if idle). No-op unless it is held."""
@@ -257,16 +275,22 @@ class DecodeScheduler:
         for seq, start, end in chunks:
             items.append(seq.prompt.item(start, end, seq.blocks))
         logits = self.adapter.forward_packed(self.pool, items)
-        next_tokens = [sample_token(logits[i], s.sampling, s.next_position + 1) for i, s in enumerate(decoding)]
+        next_tokens = [sample_token(logits[i], s.sampling, s.next_position + 1, _allowed(s)) for i, s in enumerate(decoding)]
         first_tokens = []
         for j, (seq, _, end) in enumerate(chunks):
             row = logits[len(decoding) + j]
-            first_tokens.append(None if row is None else sample_token(row, seq.sampling, seq.prompt_len))
+            first_tokens.append(None if row is None else sample_token(row, seq.sampling, seq.prompt_len, _allowed(seq)))
         return next_tokens, first_tokens
 
     # -- retirement -------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int) -> bool:
         """Emit ``token`` (unless EOS) and retire the sequence if it is done. True while it runs on."""
+        if seq.matcher is not None:
+            try:
+                seq.matcher.advance(token)
+            except grammar.GrammarViolation as exc:
+                self._retire(seq, DecodeStatus.FINISHED_ERROR, str(exc))
+                return False
         if token in self.adapter.eos_token_ids:
             self._retire(seq, DecodeStatus.FINISHED_STOPPED)  # EOS ends the turn and is not content
             return False

@@ -41,6 +41,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from runtime.model.grammar import GrammarError
 from runtime.model.sampling import SamplingParams
 
 from .auth import effective_cache_salt, request_tenant
@@ -52,7 +53,6 @@ from .images import ImageLoader
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
 from .openai_schema import (
-    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -64,6 +64,8 @@ from .openai_schema import (
 )
 from .prompt import BuiltPrompt, PromptBuilder
 from .settings import GatewaySettings
+from .structured_output import OutputPlan, plan_output
+from .tool_reply import ReplyShaper
 
 log = logging.getLogger("epd.gateway")
 
@@ -160,18 +162,38 @@ class ChatHandler:
             raise mistakes.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float) -> ChatJob:
+    async def plan_output(self, chat: ChatCompletionRequest) -> OutputPlan:
+        """The reply's grammar and tool parsing (``gateway.structured_output``): a grammar that does not
+        compile is a 400 here, before any image is fetched or any worker is asked."""
+        if not chat.tools and chat.response_format is None:
+            return OutputPlan()
+
+        def vocab():
+            try:
+                return self.prompts.grammar_vocabulary()
+            except GrammarError as exc:
+                param = "response_format" if chat.response_format is not None else "tool_choice"
+                raise ApiError.bad_request(str(exc), param, "unsupported_parameter") from None
+
+        def plan() -> OutputPlan:
+            return plan_output(chat, vocab, self.prompts.chat_template)
+
+        return await asyncio.to_thread(plan)
+
+    async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float,
+                        plan: OutputPlan = OutputPlan()) -> ChatJob:
         ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         itl_slo_ms = self._slo(request, ITL_HEADER, self.settings.itl_slo_ms)
         await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        prompt = await self._build_prompt(chat, images)
+        prompt = await self._build_prompt(chat, images, plan.tools)
         token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
         sampling = SamplingParams(
             temperature=1.0 if chat.temperature is None else chat.temperature,
             top_p=1.0 if chat.top_p is None else chat.top_p,
             seed=chat.seed,
+            grammar=plan.grammar,
         )
         return ChatJob(
             request_id=request_id,
@@ -196,7 +218,8 @@ class ChatHandler:
         try:
             self._shed_if_backlogged(request, hidden_wait_s)
             chat = await self.parse(request)
-            job = await self.build_job(request, chat, request_id, arrival_s)
+            plan = await self.plan_output(chat)
+            job = await self.build_job(request, chat, request_id, arrival_s, plan)
             self.metrics.prompt_tokens.inc(len(job.token_ids))
             detok = IncrementalDetokenizer(self.prompts.decode_tokenizer, chat.stop_sequences)
             generation = Generation(job, self.backend.generate(job), detok, self.metrics, time.monotonic())
@@ -207,10 +230,11 @@ class ChatHandler:
                 raise
             log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
                       request_id, len(job.token_ids), len(job.images), job.max_tokens)
+            shaper = ReplyShaper(plan.parser)
             if chat.stream:
-                return SSEResponse(self._sse(chat, generation, first), media_type="text/event-stream", headers={
+                return SSEResponse(self._sse(chat, generation, first, shaper), media_type="text/event-stream", headers={
                     "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._complete(request, chat, generation, first)
+            return await self._complete(request, chat, generation, first, shaper)
         except ClientDisconnected:
             self.metrics.failure.labels(reason="cancelled").inc()
             log.info("request %s: client disconnected, cancelled", request_id)
@@ -222,13 +246,14 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
-    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
+    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage],
+                            tools: list[dict[str, Any]] | None = None) -> BuiltPrompt:
         """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
         builds run at once. A slot is held until its thread ends, even when the request is cancelled
         meanwhile (a thread cannot be)."""
         async with self._prompt_slots:
             build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build_prompt, chat.messages,
-                                                            [im.image for im in images]))
+                                                            [im.image for im in images], tools))
             try:
                 return await asyncio.shield(build)
             except asyncio.CancelledError:
@@ -254,7 +279,7 @@ class ChatHandler:
         return error
 
     async def _complete(self, request: Request, chat: ChatCompletionRequest, generation: Generation,
-                        first: TokenEvent) -> JSONResponse:
+                        first: TokenEvent, shaper: ReplyShaper) -> JSONResponse:
         async def collect() -> str:
             return "".join([text async for text in generation.texts(first)])
 
@@ -266,7 +291,7 @@ class ChatHandler:
             id=generation.job.request_id,
             created=int(time.time()),
             model=chat.model,
-            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason)],
+            choices=[Choice(message=shaper.message(content), finish_reason=shaper.finish_reason(generation.finish_reason))],
             usage=self._usage(generation),
         )
         headers = {
@@ -281,7 +306,8 @@ class ChatHandler:
         return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
                      total_tokens=prompt + generation.completion_tokens)
 
-    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent) -> AsyncIterator[bytes]:
+    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent,
+                   shaper: ReplyShaper) -> AsyncIterator[bytes]:
         created = int(time.time())
 
         def chunk(delta: Delta, finish: str | None = None, **extra: Any) -> bytes:
@@ -293,11 +319,14 @@ class ChatHandler:
         try:
             yield chunk(Delta(role="assistant", content=""))
             async for text in generation.texts(first):
-                if text:
-                    yield chunk(Delta(content=text))
+                for delta in shaper.deltas(text):
+                    yield chunk(delta)
+            for delta in shaper.end_deltas():
+                yield chunk(delta)
             outcome = "finished"
             await generation.close()  # release the backend's hold now, not after the last bytes are sent
-            yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)
+            yield chunk(Delta(), shaper.finish_reason(generation.finish_reason),
+                        epd_ttft_breakdown=generation.ttft_breakdown)
             if chat.include_usage:
                 body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
                                            choices=[], usage=self._usage(generation))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SamplingParams, sample_token
@@ -149,8 +150,15 @@ class PrefillScheduler:
         logits = self.adapter.forward_packed(self.pool, items)
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
         payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
-        firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len) for l, (job, _, _) in zip(logits, spans)]
+        firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len, self._first_allowed(job))
+                  for l, (job, _, _) in zip(logits, spans)]
         return payloads, firsts
+
+    def _first_allowed(self, job: PrefillJob) -> torch.Tensor | None:
+        """The grammar's mask for the first token (a fresh matcher: nothing is sampled before it)."""
+        if not job.sampling.grammar:
+            return None
+        return grammar.Matcher(job.sampling.grammar, grammar.model_vocabulary(self.adapter)).allowed()
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         """Retire a job from the scheduler: scratch blocks back exactly once, future resolved once."""

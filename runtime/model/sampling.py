@@ -30,6 +30,7 @@ class SamplingParams:
     temperature: float = 0.0   # 0 (or below GREEDY_BELOW_TEMPERATURE) => greedy
     top_p: float = 1.0
     seed: int | None = None
+    grammar: str | None = None   # constrained decoding (runtime.model.grammar); the mask is ``allowed``
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -44,12 +45,16 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Pick the token for ``position`` from ``logits`` ``[vocab]``.
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
+                 allowed: torch.Tensor | None = None) -> int:
+    """Pick the token for ``position`` from ``logits`` ``[vocab]``; ``allowed`` (bool ``[vocab]``, the
+    constrained-decoding hook) excludes every token it marks False before anything else.
 
     Probabilities are float64, so ``top_p`` is compared at the client's precision
     (a float32 comparison would turn a top_p below ~1e-45 into 0 and keep nothing).
     """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if params.greedy:
         return int(torch.argmax(logits).item())
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)

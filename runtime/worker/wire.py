@@ -38,7 +38,7 @@ def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     """Lossless: temperature and top_p are doubles on the wire, the seed an int64 (``SamplingParams``'s range)."""
-    msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p)
+    msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, grammar=s.grammar or "")
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -50,6 +50,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        grammar=msg.grammar or None,
     )
 
 

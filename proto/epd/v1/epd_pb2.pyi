@@ -17,14 +17,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("seed", "temperature", "top_p")
+    __slots__ = ("seed", "temperature", "top_p", "grammar")
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     seed: int
     temperature: float
     top_p: float
-    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
+    grammar: str
+    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class ImageRef(_message.Message):
     __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw")
