@@ -1,6 +1,7 @@
 """Seeded training of the demo VLM on synthetic shapes.
 
-Two phases (both on CPU, about three minutes on 2 cores):
+Two phases, both on CPU (30 minutes on 2 cores shared with other work; tests use the committed
+checkpoint and never train):
 1. warm-up: the vision tower learns the 12-way colour x shape classification
    (shape is slow to learn through the language model alone);
 2. the whole VLM learns to answer "a <colour> <shape>" after a question, and the
