@@ -28,7 +28,7 @@ import torch
 from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SamplingParams, sample_token
+from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
@@ -44,6 +44,7 @@ class PrefillJob:
     sampling: SamplingParams
     chunk_tokens: int
     sender: KVSender                 # frames and sends what this job's steps make ready
+    prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
     blocks: list[int] | None = None
     next_start: int = 0
     chunk_index: int = 0
@@ -141,7 +142,7 @@ class PrefillScheduler:
             job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
-                job.first_token = first
+                job.first_token = first.token_id
                 job.sender.finish()
                 self._finish(job, None)
 
@@ -150,9 +151,13 @@ class PrefillScheduler:
         logits = self.adapter.forward_packed(self.pool, items)
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
         payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
-        firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len, self._first_allowed(job))
-                  for l, (job, _, _) in zip(logits, spans)]
+        firsts = [None if l is None else self._sample_first(job, l) for l, (job, _, _) in zip(logits, spans)]
         return payloads, firsts
+
+    def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> SampledToken:
+        """The sequence's first token (no output yet), with its logprobs when asked for: they travel with it."""
+        ctx = SamplingContext(job.prompt_ids, (), self.adapter.eos_token_ids)
+        return sample(logits, job.sampling, ctx, job.prompt_len, self._first_allowed(job))
 
     def _first_allowed(self, job: PrefillJob) -> torch.Tensor | None:
         """The grammar's mask for the first token (a fresh matcher: nothing is sampled before it)."""
