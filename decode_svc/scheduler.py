@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
@@ -78,6 +79,7 @@ class Sequence:
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
     first_step_ms: float | None = None
+    matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -93,6 +95,10 @@ class Sequence:
     def next_position(self) -> int:
         """Position of the last sampled token (its KV is written by the next step)."""
         return self.prompt_len + len(self.output) - 1
+
+
+def _allowed(seq: Sequence):
+    return None if seq.matcher is None else seq.matcher.allowed()
 
 
 class DecodeScheduler:
@@ -117,7 +123,7 @@ class DecodeScheduler:
     # -- admission into the batch ----------------------------------------------
     def insert(self, seq: Sequence, first: SampledToken) -> None:
         """A verified handoff joins the batch; its first token (from prefill, with its logprobs) is emitted now."""
-        if self._lease_lost(seq):
+        if self._lease_lost(seq) or not self._start_grammar(seq):
             return
         if self._accept(seq, first):
             seq._status = DecodeStatus.RUNNING
@@ -126,13 +132,25 @@ class DecodeScheduler:
 
     def insert_colocated(self, seq: Sequence, prompt: PreparedPrompt, chunk_tokens: int | None = None) -> None:
         """Prefill here, at most ``chunk_tokens`` (default: the step's token budget) per step."""
-        if self._lease_lost(seq):
+        if self._lease_lost(seq) or not self._start_grammar(seq):
             return
         seq.prompt = prompt
         seq.prefill_chunk = chunk_tokens
         seq._status = DecodeStatus.PREFILLING
         self._prefilling.append(seq)
         self._wake.set()
+
+    def _start_grammar(self, seq: Sequence) -> bool:
+        """A constrained sequence's matcher, at the grammar's start: it verifies every token from here
+        on, the first one from prefill included. A grammar that does not compile retires the sequence."""
+        if not seq.sampling.grammar:
+            return True
+        try:
+            seq.matcher = grammar.Matcher(seq.sampling.grammar, grammar.model_vocabulary(self.adapter))
+        except grammar.GrammarError as exc:
+            self._retire(seq, DecodeStatus.FINISHED_ERROR, f"grammar does not compile: {exc}")
+            return False
+        return True
 
     def cancel(self, seq: Sequence) -> None:
         """Mark for removal; it leaves at the next step boundary (or now if idle). No-op unless it is held."""
@@ -269,7 +287,7 @@ class DecodeScheduler:
     def _sample(self, seq: Sequence, logits, position: int) -> SampledToken:
         """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far."""
         ctx = SamplingContext(seq.prompt_ids, seq.output, self.adapter.eos_token_ids)
-        return sample(logits, seq.sampling, ctx, position)
+        return sample(logits, seq.sampling, ctx, position, _allowed(seq))
 
     # -- retirement -------------------------------------------------------------
     def _accept(self, seq: Sequence, sampled: SampledToken) -> bool:
@@ -278,6 +296,12 @@ class DecodeScheduler:
         EOS (unless ``ignore_eos``) and the request's ``stop_token_ids`` end the turn and are not content.
         """
         token = sampled.token_id
+        if seq.matcher is not None:
+            try:
+                seq.matcher.advance(token)
+            except grammar.GrammarViolation as exc:
+                self._retire(seq, DecodeStatus.FINISHED_ERROR, str(exc))
+                return False
         if token in seq.sampling.stop_token_ids or (token in self.adapter.eos_token_ids and not seq.sampling.ignore_eos):
             self._retire(seq, DecodeStatus.FINISHED_STOPPED)
             return False

@@ -28,6 +28,7 @@ backend's cancel signal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -41,6 +42,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from runtime.model.grammar import GrammarError
+
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .detokenize import IncrementalDetokenizer
@@ -51,7 +54,6 @@ from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
 from .openai_schema import (
-    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -65,6 +67,8 @@ from .prompt import BuiltPrompt, PromptBuilder
 from .request_journal import RequestJournal, RequestRecord
 from .sampling_fields import sampling_problem
 from .settings import GatewaySettings
+from .structured_output import OutputPlan, plan_output
+from .tool_reply import ReplyShaper
 
 log = logging.getLogger("epd.gateway")
 
@@ -162,15 +166,35 @@ class ChatHandler:
             raise mistakes.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float) -> ChatJob:
+    async def plan_output(self, chat: ChatCompletionRequest) -> OutputPlan:
+        """The reply's grammar and tool parsing (``gateway.structured_output``): a grammar that does not
+        compile is a 400 here, before any image is fetched or any worker is asked."""
+        if not chat.tools and chat.response_format is None:
+            return OutputPlan()
+
+        def vocab():
+            try:
+                return self.prompts.grammar_vocabulary()
+            except GrammarError as exc:
+                param = "response_format" if chat.response_format is not None else "tool_choice"
+                raise ApiError.bad_request(str(exc), param, "unsupported_parameter") from None
+
+        plan = await asyncio.to_thread(plan_output, chat, vocab, self.prompts.chat_template)
+        if plan.parser is not None and chat.logprobs:
+            raise ApiError.bad_request("logprobs cannot be combined with tools the model may call", "logprobs",
+                                       "unsupported_parameter")
+        return plan
+
+    async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float,
+                        plan: OutputPlan = OutputPlan()) -> ChatJob:
         ttft_slo_ms = self.slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         itl_slo_ms = self.slo(request, ITL_HEADER, self.settings.itl_slo_ms)
         await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        prompt = await self.build_prompt(chat, images)
+        prompt = await self.build_prompt(chat, images, plan.tools)
         token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
-        sampling = chat.sampling_params(chat.requested_logprobs)
+        sampling = dataclasses.replace(chat.sampling_params(chat.requested_logprobs), grammar=plan.grammar)
         problem = sampling_problem(sampling, max_tokens, len(self.prompts.decode_tokenizer))
         if problem is not None:
             raise ApiError.bad_request(problem[1], problem[0], "invalid_value")
@@ -194,11 +218,13 @@ class ChatHandler:
 
     async def _chat(self, request: Request, request_id: str, arrival_s: float) -> Response:
         chat = await self.parse(request)
-        job = await self.build_job(request, chat, request_id, arrival_s)
+        plan = await self.plan_output(chat)
+        job = await self.build_job(request, chat, request_id, arrival_s, plan)
         generation, first = await self.start(request, job, chat.stop_sequences)
+        shaper = ReplyShaper(plan.parser)
         if chat.stream:
-            return sse_response(self.guarded_stream(generation, self._sse(chat, generation, first)), request_id)
-        return await self._complete(request, chat, generation, first)
+            return sse_response(self.guarded_stream(generation, self._sse(chat, generation, first, shaper)), request_id)
+        return await self._complete(request, chat, generation, first, shaper)
 
     async def start(self, request: Request, job: ChatJob, stops: list[str]) -> tuple[Generation, TokenEvent]:
         """Hand ``job`` to the backend and wait for its first event (see the module docstring, step 6)."""
@@ -247,13 +273,14 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
-    async def build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
+    async def build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage],
+                           tools: list[dict[str, Any]] | None = None) -> BuiltPrompt:
         """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
         builds run at once. A slot is held until its thread ends, even when the request is cancelled
         meanwhile (a thread cannot be)."""
         async with self._prompt_slots:
             build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build_prompt, chat.messages,
-                                                            [im.image for im in images]))
+                                                            [im.image for im in images], tools))
             try:
                 return await asyncio.shield(build)
             except asyncio.CancelledError:
@@ -290,7 +317,7 @@ class ChatHandler:
         return error
 
     async def _complete(self, request: Request, chat: ChatCompletionRequest, generation: Generation,
-                        first: TokenEvent) -> JSONResponse:
+                        first: TokenEvent, shaper: ReplyShaper = ReplyShaper(None)) -> JSONResponse:
         async def collect() -> str:
             return "".join([text async for text in generation.texts(first)])
 
@@ -303,7 +330,7 @@ class ChatHandler:
             id=generation.job.request_id,
             created=int(time.time()),
             model=chat.model,
-            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason,
+            choices=[Choice(message=shaper.message(content), finish_reason=shaper.finish_reason(generation.finish_reason),
                             logprobs=logprobs)],
             usage=self._usage(generation),
         )
@@ -319,7 +346,8 @@ class ChatHandler:
         return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
                      total_tokens=prompt + generation.completion_tokens)
 
-    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent) -> AsyncIterator[bytes]:
+    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent,
+                   shaper: ReplyShaper = ReplyShaper(None)) -> AsyncIterator[bytes]:
         created = int(time.time())
 
         def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
@@ -333,10 +361,15 @@ class ChatHandler:
         yield chunk(Delta(role="assistant", content=""))
         async for text in generation.texts(first):
             samples = generation.take_logprobs()
-            if text or samples:
+            if shaper.parser is not None:   # tool calls are read out of the text (no logprobs: refused with tools)
+                for delta in shaper.deltas(text):
+                    yield chunk(delta)
+            elif text or samples:
                 yield chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
+        for delta in shaper.end_deltas():
+            yield chunk(delta)
         await generation.close()  # release the backend's hold now, not after the last bytes are sent
-        yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)
+        yield chunk(Delta(), shaper.finish_reason(generation.finish_reason), epd_ttft_breakdown=generation.ttft_breakdown)
         if chat.include_usage:
             yield sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
                                                 choices=[], usage=self._usage(generation)))

@@ -117,9 +117,11 @@ def input_path(loc: Sequence[Any], document: Any = None) -> list[str]:
         return [str(p) for p in loc]
     path: list[str] = []
     node, previous = document, None
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(node, dict) and isinstance(part, str):
-            if isinstance(previous, int) and part in (node.get("type"), node.get("role")):
+            tag = part in (node.get("type"), node.get("role"))
+            # a tag that is also a key (a tool's "function") is a tag only when the key follows it
+            if isinstance(previous, int) and tag and (loc[i + 1: i + 2] == [part] or (part not in node and i + 1 < len(loc))):
                 previous = part  # the discriminator tag of a content part (type) or a message (role)
                 continue
             path.append(part)

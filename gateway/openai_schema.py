@@ -9,14 +9,16 @@ every field of the request, at every level, falls under one rule:
   ``logprobs`` / ``top_logprobs`` up to 20; an image part's ``detail`` "auto"
   or "high", since the processor always uses the model's full resolution);
 * a known OpenAI or vLLM field we do not honour is accepted only at its no-op
-  value (``n: 1``, ``response_format: {"type": "text"}``, ``logit_bias: {}``,
-  ``tool_choice: "none"`` without tools ...; the table is
-  ``gateway.request_fields``), else 400
+  value (``n: 1``, ``logprobs: false``, penalties 0, ``logit_bias: {}`` ...;
+  the table is ``gateway.request_fields``), else 400
   ``unsupported_parameter`` naming it;
 * any other field is refused, 400 ``unknown_parameter``: "Unrecognized request
   argument supplied: X", as OpenAI does.
 
-So no 200 ever ignores what the client asked for. ``cache_salt`` (vLLM's
+So no 200 ever ignores what the client asked for. ``response_format``
+(``json_object``, ``json_schema``), ``tools``, ``tool_choice``,
+``parallel_tool_calls``, assistant ``tool_calls`` and ``role: "tool"`` messages
+are honoured (``gateway.structured_output``, ``gateway.tool_parsers``). ``cache_salt`` (vLLM's
 tenant-isolation field, at most 256 characters) and ``user`` are accepted.
 
 epd extension: the final ``chat.completion.chunk`` of a stream (the one with
@@ -42,6 +44,8 @@ from .sampling_fields import SamplingFields
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_TOOLS = 128                                   # OpenAI's limit
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"   # OpenAI's rule for function and schema names
 
 
 class _Strict(BaseModel):
@@ -128,29 +132,95 @@ class UserMessage(_Message):
     content: UserContent           # the only role that may carry images
 
 
+class CalledFunction(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: str               # JSON text, as OpenAI sends it back
+
+
+class AssistantToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantTurn(_Message):
-    """An earlier assistant turn of the conversation (content may be null)."""
+    """An earlier assistant turn of the conversation (content may be null when it called tools)."""
 
     role: Literal["assistant"]
     content: TextContent | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+
+
+class ToolMessage(_Message):
+    """A tool's result, rendered back into the chat template (``<tool_response>`` for the demo model)."""
+
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: str = Field(min_length=1)
 
 
 def _role(value: Any) -> str | None:
     role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
-    return role if role in ("system", "developer", "user", "assistant") else None
+    return role if role in ("system", "developer", "user", "assistant", "tool") else None
 
 
 # One model per role, as in OpenAI's own schema: what each role may carry is in the published
 # OpenAPI document (content required but for the assistant, images only from the user).
 ChatMessage = Annotated[
     Union[Annotated[SystemMessage, Tag("system")], Annotated[DeveloperMessage, Tag("developer")],
-          Annotated[UserMessage, Tag("user")], Annotated[AssistantTurn, Tag("assistant")]],
+          Annotated[UserMessage, Tag("user")], Annotated[AssistantTurn, Tag("assistant")],
+          Annotated[ToolMessage, Tag("tool")]],
     Discriminator(
         _role,
         custom_error_type="invalid_role",
-        custom_error_message="role must be one of 'system', 'developer', 'user', 'assistant'",
+        custom_error_message="role must be one of 'system', 'developer', 'user', 'assistant', 'tool'",
     ),
 ]
+
+
+# -- structured output and tools (gateway.structured_output turns them into a grammar) ---------
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")   # absent: any JSON object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON Schema; absent: no arguments ({})
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 def check_stop(value: Any) -> Any:
@@ -184,6 +254,10 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     _stop_shape = field_validator("stop", mode="before")(check_stop)
 
@@ -200,6 +274,7 @@ class ChatCompletionRequest(SamplingFields):
                 yield Refusal("stream_options", "stream_options is only allowed when stream is true",
                               request_fields.UNSUPPORTED)
             yield first_refusal(self.stream_options, "stream_options.", request_fields.STREAM_OPTIONS)
+        yield from self._format_refusals()
         for i, message in enumerate(self.messages):
             yield first_refusal(message, f"messages.{i}.", request_fields.MESSAGE)
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
@@ -211,6 +286,40 @@ class ChatCompletionRequest(SamplingFields):
                         yield Refusal(prefix + "image_url.detail", 'image detail "low" is not supported: images are '
                                       'always processed at the model\'s full resolution (use "auto" or "high")',
                                       request_fields.UNSUPPORTED)
+
+    def _format_refusals(self) -> Iterator[Refusal | None]:
+        """Combinations that ask for nothing we can do: every one is a 400 naming the field."""
+        nested = [(self.response_format, "response_format.")]
+        nested += [(tool, f"tools.{i}.") for i, tool in enumerate(self.tools or [])]
+        nested += [(tool.function, f"tools.{i}.function.") for i, tool in enumerate(self.tools or [])]
+        if isinstance(self.response_format, JsonSchemaFormat):
+            nested.append((self.response_format.json_schema, "response_format.json_schema."))
+        if isinstance(self.tool_choice, NamedToolChoice):
+            nested += [(self.tool_choice, "tool_choice."), (self.tool_choice.function, "tool_choice.function.")]
+        for model, prefix in nested:
+            if model is not None:
+                yield first_refusal(model, prefix, request_fields.NONE)
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            yield Refusal("tools", "tool function names must be unique", "invalid_value")
+        if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
+            if not self.tools:
+                yield Refusal("tool_choice", "tool_choice requires tools", "invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            yield Refusal("tool_choice.function.name",
+                          f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools",
+                          "invalid_value")
+        calls_tools = bool(self.tools) and self.tool_choice != "none"
+        if calls_tools and self.response_format is not None and not isinstance(self.response_format, TextFormat):
+            yield Refusal("response_format", "response_format json_object / json_schema cannot be combined with "
+                          "tools the model may call (tool calls have their own format); use tool_choice \"none\"",
+                          request_fields.UNSUPPORTED)
+
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        constrained = forced or isinstance(self.response_format, (JsonObjectFormat, JsonSchemaFormat))
+        if constrained and self.stop_sequences:
+            yield Refusal("stop", "stop sequences cannot be combined with a response_format or a forced tool "
+                          "call: cutting the reply at a stop string would break its JSON", request_fields.UNSUPPORTED)
 
     # -- resolved values ------------------------------------------------------------
     @property
@@ -245,9 +354,24 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class TopLogprob(BaseModel):
@@ -268,7 +392,7 @@ class ChoiceLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -282,15 +406,25 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(BaseModel):
+    """One tool call in a stream: sent whole (id, name and all its arguments) once it is complete."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)   # the last chunk's delta is {}
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: ChoiceLogprobs | None = None
 
 

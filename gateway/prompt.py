@@ -44,6 +44,7 @@ no other thread touches. The learnt placeholder counts are guarded by a lock.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ import jinja2
 from PIL import Image
 from transformers import AutoConfig
 
-from runtime.model import families, supported_models
+from runtime.model import families, grammar, supported_models
 from runtime.model.families import ModelFamily
 
 from .errors import ApiError
@@ -86,6 +87,7 @@ class PromptBuilder:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.decode_tokenizer = copy.deepcopy(self.tokenizer)   # event-loop thread only
         self.context_length = context_length
+        self.logits_size = len(self.tokenizer)   # the model's, when built from a checkpoint
         self.floor = TokenFloor.of(self.tokenizer)
         self._processors = ProcessorPool(processor)
         self._learnt_lock = threading.Lock()   # guards _tokens_per_size and _shortcut_ok
@@ -104,7 +106,17 @@ class PromptBuilder:
         supported_models.check_checkpoint(path)   # the gateway refuses what the workers would
         processor = families.load_processor(path)
         config = AutoConfig.from_pretrained(path)
-        return cls(processor, int(config.get_text_config().max_position_embeddings), families.family_for(config))
+        builder = cls(processor, int(config.get_text_config().max_position_embeddings), families.family_for(config))
+        builder.logits_size = int(config.get_text_config().vocab_size)
+        return builder
+
+    def grammar_vocabulary(self) -> grammar.Vocabulary:
+        """The tokenizer as the grammar library sees it (built on first use), to compile grammars against."""
+        return grammar.vocabulary_for(self, self.tokenizer, self.logits_size, [self.tokenizer.eos_token_id])
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
 
     # -- messages -> text -----------------------------------------------------------
     def template_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -113,11 +125,19 @@ class PromptBuilder:
         for i, message in enumerate(messages):
             role = _TEMPLATE_ROLE.get(message.role, message.role)
             content = message.content
+            extra: dict[str, Any] = {}
+            if getattr(message, "tool_calls", None):
+                # arguments as the JSON object they hold, as Qwen's and most templates expect them
+                extra["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages.{i}.tool_calls.{k}")}}
+                    for k, c in enumerate(message.tool_calls)]
+            if getattr(message, "tool_call_id", None):
+                extra["tool_call_id"] = message.tool_call_id
             if content is None:
-                out.append({"role": role, "content": ""})
+                out.append({"role": role, "content": "", **extra})
             elif isinstance(content, str):
                 self._check_text(content, f"messages.{i}.content")
-                out.append({"role": role, "content": content})
+                out.append({"role": role, "content": content, **extra})
             else:
                 parts: list[dict[str, Any]] = []
                 for j, part in enumerate(content):
@@ -126,7 +146,7 @@ class PromptBuilder:
                         parts.append({"type": "text", "text": part.text})
                     elif isinstance(part, ImagePart):
                         parts.append({"type": "image"})
-                out.append({"role": role, "content": parts})
+                out.append({"role": role, "content": parts, **extra})
         return out
 
     def _check_text(self, text: str, param: str) -> None:
@@ -143,12 +163,14 @@ class PromptBuilder:
                 "invalid_value",
             )
 
-    def render(self, messages: Sequence[ChatMessage], processor: Any = None) -> str:
-        """The chat template's text; ``processor`` is a leased copy (default: the original, single-threaded use)."""
+    def render(self, messages: Sequence[ChatMessage], processor: Any = None,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The chat template's text (``tools`` rendered by the template); ``processor`` is a leased copy
+        (default: the original, single-threaded use)."""
         try:
             return (processor or self.processor).apply_chat_template(
-                self.template_messages(messages), add_generation_prompt=True, tokenize=False
-            )
+                self.template_messages(messages), add_generation_prompt=True, tokenize=False,
+                **({"tools": list(tools)} if tools else {}))
         except jinja2.TemplateError as exc:  # e.g. a template that requires alternating roles
             raise ApiError.bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
 
@@ -225,18 +247,20 @@ class PromptBuilder:
             ids = ids[0]
         return [int(t) for t in ids]
 
-    def build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image]) -> list[int]:
+    def build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image],
+              tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids for ``messages``; CPU-bound, call it off the event loop. Thread-safe: concurrent
         builds run in parallel, each on its own processor copy."""
         self.check_fits(messages)
         with self._processors.lease() as processor:
-            prompt = self.render(messages, processor)
+            prompt = self.render(messages, processor, tools)
             self._refuse_unless_fits(self.floor.tokens_at_least([prompt]), "the rendered prompt")
             return self.tokenize(prompt, images, processor)
 
-    def build_prompt(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image]) -> BuiltPrompt:
+    def build_prompt(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image],
+                     tools: Sequence[dict[str, Any]] | None = None) -> BuiltPrompt:
         """``build``, with each image's grid and the sequence's rope delta (see the module docstring)."""
-        token_ids = self.build(messages, images)
+        token_ids = self.build(messages, images, tools)
         grids, rope_delta = self.positions(token_ids, images)
         return BuiltPrompt(token_ids, grids, rope_delta)
 
@@ -307,6 +331,15 @@ class PromptBuilder:
                 "context_length_exceeded",
             )
         return requested
+
+
+def _arguments(text: str, param: str) -> Any:
+    """A tool call's ``arguments`` (JSON text on the wire) as the object the template renders."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ApiError.bad_request("tool call arguments must be JSON text", param + ".function.arguments",
+                                   "invalid_value") from None
 
 
 def _texts(message: ChatMessage) -> list[str]:

@@ -2,7 +2,7 @@
 
 The rule (also in ``gateway.openai_schema``): a field we honour is declared on
 the schema; a field listed here is accepted only at one of its no-op values
-(``n: 1``, ``logit_bias: {}``, ``response_format: {"type": "text"}`` ...), which
+(``n: 1``, ``logit_bias: {}``, ``logprobs: false`` ...), which
 many clients always send; any other value is refused (400,
 ``unsupported_parameter``, naming the field); a field in neither place is
 refused as unknown (400, ``unknown_parameter``), as OpenAI answers
@@ -68,10 +68,6 @@ TOP_LEVEL: Mapping[str, NoOp] = {
     # OpenAI
     "n": _noop(1),
     "logit_bias": _noop({}),
-    "response_format": _noop({"type": "text"}),
-    "tools": _noop([]),
-    "tool_choice": _noop("none", "auto"),     # without tools neither can call anything
-    "parallel_tool_calls": _noop(bool),       # no tools are accepted, so there is nothing to parallelise
     "functions": _noop([]),
     "function_call": _noop("none", "auto"),
     "audio": _noop(),
@@ -154,9 +150,7 @@ COMPLETIONS: Mapping[str, NoOp] = {
 MESSAGE: Mapping[str, NoOp] = {
     "name": _noop(),            # chat templates do not see it: refusing beats dropping it
     "refusal": _noop(),
-    "tool_calls": _noop([]),
     "function_call": _noop(),
-    "tool_call_id": _noop(),
     "audio": _noop(),
     "annotations": _noop([]),
     "reasoning_content": _noop(),

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
@@ -164,7 +165,13 @@ class PrefillScheduler:
     def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> SampledToken:
         """The sequence's first token (no output yet), with its logprobs when asked for: they travel with it."""
         ctx = SamplingContext(job.prompt_ids, (), self.adapter.eos_token_ids)
-        return sample(logits, job.sampling, ctx, job.prompt_len)
+        return sample(logits, job.sampling, ctx, job.prompt_len, self._first_allowed(job))
+
+    def _first_allowed(self, job: PrefillJob) -> torch.Tensor | None:
+        """The grammar's mask for the first token (a fresh matcher: nothing is sampled before it)."""
+        if not job.sampling.grammar:
+            return None
+        return grammar.Matcher(job.sampling.grammar, grammar.model_vocabulary(self.adapter)).allowed()
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         """Retire a job from the scheduler: scratch blocks back exactly once, future resolved once."""

@@ -179,9 +179,9 @@ def test_unknown_and_unhonoured_fields_are_refused_naming_them(client, backend):
     assert (unknown.code, unknown.param) == ("unknown_parameter", "frobnicate")
     assert "Unrecognized request argument supplied: frobnicate" in unknown.message
     for kwargs, param in (
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"extra_body": {"best_of": 3}}, "best_of"),
         ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {

@@ -1,7 +1,7 @@
 """The token lower bound never exceeds the real count, for each kind of tokenizer it claims to bound.
 
-Tokenizers are built with the ``tokenizers`` library (no downloads): the demo's
-word-level one, a GPT-2/Qwen2-style byte-level BPE behind NFC, and a
+Tokenizers are built with the ``tokenizers`` library (no downloads): a
+lowercasing word-level one, the demo model's byte-level BPE, a GPT-2/Qwen2-style byte-level BPE behind NFC, and a
 Llama-style byte-fallback BPE; the property runs on text chosen to hurt
 (combining marks that NFC composes, long unknown words, whitespace a tokenizer
 and Python disagree on, special-token strings).
@@ -22,6 +22,17 @@ from gateway.prompt_bound import MAX_CANONICAL_DECOMPOSITION, Rule, TokenFloor
 from inprocess_backend import demo_model_path
 
 CORPUS = ["hello world the quick brown fox jumps over the lazy dog " * 40, "ééé naïve café 東京 ṩ ᾂ 한국어 " * 20]
+
+
+def word_level() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer as small models ship them: lowercased, split at whitespace and punctuation."""
+    from runtime.demo_model.vocabulary import WORDS
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def byte_level_bpe() -> PreTrainedTokenizerFast:
@@ -47,12 +58,14 @@ def byte_fallback_bpe() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def tokenizers_under_test(prompts) -> dict[str, PreTrainedTokenizerFast]:
-    return {"demo-word-level": prompts.tokenizer, "byte-level-nfc": byte_level_bpe(), "byte-fallback": byte_fallback_bpe()}
+    return {"word-level": word_level(), "demo-byte-level": prompts.tokenizer, "byte-level-nfc": byte_level_bpe(),
+            "byte-fallback": byte_fallback_bpe()}
 
 
 def test_each_tokenizer_gets_the_rule_that_holds_for_it(tokenizers_under_test):
     floors = {name: TokenFloor.of(tok) for name, tok in tokenizers_under_test.items()}
-    assert floors["demo-word-level"].rule is Rule.WORDS
+    assert floors["word-level"].rule is Rule.WORDS
+    assert floors["demo-byte-level"].rule is Rule.CHARS
     assert floors["byte-level-nfc"].rule is Rule.CHARS
     assert floors["byte-fallback"].rule is Rule.CHARS and floors["byte-fallback"].chars_per_token == len("▁hello")
 
@@ -70,8 +83,8 @@ def test_a_spec_that_may_drop_characters_gets_no_character_rule(tokenizers_under
     assert TokenFloor.from_spec({**spec, **change}).rule is rule
 
 
-def test_a_word_level_tokenizer_with_whitespace_in_an_added_token_gets_no_rule(prompts):
-    spec = json.loads(prompts.tokenizer.backend_tokenizer.to_str())
+def test_a_word_level_tokenizer_with_whitespace_in_an_added_token_gets_no_rule():
+    spec = json.loads(word_level().backend_tokenizer.to_str())
     spec["added_tokens"] = [*spec["added_tokens"], {"content": "two words", "lstrip": False, "rstrip": False}]
     assert TokenFloor.from_spec(spec).rule is Rule.NONE
 
@@ -135,4 +148,4 @@ def test_runs_are_counted_across_slices():
 
 def test_the_demo_prompt_builder_uses_its_tokenizers_rule():
     builder = PromptBuilder.from_pretrained(demo_model_path()[0])
-    assert builder.floor.rule is Rule.WORDS
+    assert builder.floor.rule is Rule.CHARS   # byte-level BPE: every character ends up in a token

@@ -110,7 +110,8 @@ def test_a_4_mb_prompt_is_refused_without_rendering_or_tokenizing(prompts):
     with pytest.raises(ApiError) as refused:
         builder.build(huge, [])
     assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
-    assert "700000 tokens" in refused.value.message   # its words, less one for a join: a lower bound
+    # the floor's bound, never above the real count: characters over the longest token's length
+    assert f"at least {builder.floor.tokens_at_least(['look', FOUR_MB])} tokens" in refused.value.message
     assert Counted.tokenizer_calls == 0 and Counted.renders == 0
 
 

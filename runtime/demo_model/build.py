@@ -1,6 +1,7 @@
 """Assemble the demo VLM's parts from transformers' own classes.
 
-``build_processor()`` makes a word-level tokenizer + CLIP image processor +
+``build_processor()`` makes a byte-level BPE tokenizer (merges learnt here, in
+well under a second, from ``vocabulary.tokenizer_corpus()``) + CLIP image processor +
 LLaVA processor with a chat template; ``build_config()`` makes a LLaVA config
 (CLIP-style vision tower, projector, Llama-style decoder). Nothing here is
 epd-specific: the saved folder is a standard Hugging Face checkpoint.
@@ -8,7 +9,7 @@ epd-specific: the saved folder is a standard Hugging Face checkpoint.
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     CLIPImageProcessorPil,
     CLIPVisionConfig,
@@ -25,8 +26,8 @@ from .vocabulary import (
     IMAGE_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
-    UNK_TOKEN,
-    WORDS,
+    BPE_VOCAB,
+    tokenizer_corpus,
 )
 
 IMAGE_SIZE = 32
@@ -34,17 +35,18 @@ PATCH_SIZE = 8
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    backend.normalizer = normalizers.Lowercase()
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    """Byte-level BPE: every text tokenizes (no unknown token); special tokens come first (ids 0..6)."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(tokenizer_corpus() * 4, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,
         eos_token=END_TOKEN,
         pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN,
         extra_special_tokens={"image_token": IMAGE_TOKEN},
         model_max_length=4096,
     )

@@ -60,6 +60,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None   # None: no logprobs; n: the token's logprob and its n most likely alternatives
+    grammar: str | None = None    # constrained decoding (runtime.model.grammar): its mask is ``allowed``
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> ValueError:
@@ -149,9 +150,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, ctx: SamplingContext, p
     return SampledToken(token, float(logprobs[token]), top)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The token alone, for callers without history (the adapter's reference paths: no output yet)."""
-    return sample(logits, params, SamplingContext((), ()), position).token_id
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
+                 allowed: torch.Tensor | None = None) -> int:
+    """The token alone, for callers without history (the adapter's reference paths: no output yet);
+    ``allowed`` is the constrained-decoding hook (``sample``'s)."""
+    return sample(logits, params, SamplingContext((), ()), position, allowed).token_id
 
 
 def finite_logprob(value: float) -> float:
