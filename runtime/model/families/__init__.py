@@ -19,11 +19,14 @@ from runtime.model import supported_models
 
 from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan
 from .llava import LlavaStyleFamily
+from .llava_anyres import LlavaNextFamily, LlavaOnevisionFamily
 from .qwen_vl import Qwen3VLFamily, Qwen25VLFamily, QwenVLFamily
 
 IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "LLaVA": LlavaStyleFamily,
     "InternVL": LlavaStyleFamily,
+    "LLaVA-NeXT": LlavaNextFamily,
+    "LLaVA-OneVision": LlavaOnevisionFamily,
     "Qwen2-VL": QwenVLFamily,
     "Qwen2.5-VL": Qwen25VLFamily,
     "Qwen3-VL": Qwen3VLFamily,
