@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import (
     Gemma3Config,
+    Idefics3Config,
     InternVLConfig,
     InternVLVisionConfig,
     LlamaConfig,
@@ -29,6 +30,7 @@ from transformers import (
     Qwen2VLConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
+    SmolVLMConfig,
 )
 
 from gateway.prompt import PromptBuilder
@@ -134,9 +136,12 @@ def test_the_qwen_vl_families_pass(tmp_path, config, architecture):
 @pytest.mark.parametrize("config, architecture", [
     (lambda: LlavaNextConfig(), "LlavaNextForConditionalGeneration"),
     (lambda: LlavaOnevisionConfig(), "LlavaOnevisionForConditionalGeneration"),
-], ids=["llava_next", "llava_onevision"])
-def test_the_any_resolution_llava_families_pass(tmp_path, config, architecture):
-    """Issue 18: image_grid_pinpoints (tiles) are accepted for LLaVA-NeXT and OneVision (still refused for LLaVA, above)."""
+    (lambda: Idefics3Config(), "Idefics3ForConditionalGeneration"),
+    (lambda: SmolVLMConfig(), "SmolVLMForConditionalGeneration"),
+], ids=["llava_next", "llava_onevision", "idefics3", "smolvlm"])
+def test_the_tiling_and_splitting_families_pass(tmp_path, config, architecture):
+    """Issue 18: image_grid_pinpoints (tiles) are accepted for LLaVA-NeXT and OneVision (still refused for LLaVA,
+    above), and the image-splitting Idefics3 and SmolVLM."""
     check_checkpoint(checkpoint(tmp_path, config(), architecture))
 
 

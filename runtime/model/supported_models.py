@@ -73,6 +73,10 @@ FAMILIES: tuple[Family, ...] = (
            anyres=True),
     Family("LLaVA-OneVision", "LlavaOnevisionForConditionalGeneration", "llava_onevision",
            frozenset({"siglip_vision_model"}), frozenset({"qwen2"}), anyres=True),
+    Family("Idefics3", "Idefics3ForConditionalGeneration", "idefics3",
+           frozenset({"idefics3_vision"}), frozenset({"llama"})),
+    Family("SmolVLM", "SmolVLMForConditionalGeneration", "smolvlm",
+           frozenset({"smolvlm_vision"}), frozenset({"llama"})),
     Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
            frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -93,7 +97,6 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "video_llava": "video inputs",
     "mllama": "cross-attention to the image",
     "idefics2": "perceiver-resampled multi-crop images",
-    "idefics3": "multi-crop image splitting",
     "pixtral": "variable-size image features need image_sizes",
 }
 

@@ -1,4 +1,4 @@
-"""LLaVA-OneVision and LLaVA-NeXT through the services (issue 18): real processes, real gRPC, real Redis.
+"""LLaVA-OneVision, LLaVA-NeXT, Idefics3 and SmolVLM through the services (issue 18): real processes, real gRPC.
 
 Per family (a module-scoped stack, torn down before the next family's): the tiny
 random checkpoint (``epd demo-model --family``'s builder), one encoder, one decode
@@ -10,8 +10,8 @@ reference is ``generate()`` of the same checkpoint loaded here (greedy, cut at t
 first EOS, which ends the services' stream). After every test nothing is held
 (``tests/leaks.py``).
 
-On the code before issue 18 no worker starts: both architectures were refused at
-start-up ("multi-crop (anyres) image features").
+On the code before issue 18 no worker starts: these architectures were refused at
+start-up ("multi-crop (anyres) image features", "multi-crop image splitting").
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from gateway.openai_schema import ChatCompletionRequest
 from gateway.orchestrator import Orchestrator
 from gateway.prompt import PromptBuilder
 from gateway.settings import GatewaySettings
+from runtime.demo_model.idefics3 import SplitFamily, build_idefics3
 from runtime.demo_model.llava_anyres import AnyResFamily, build_llava_anyres
 from runtime.model.model_adapter import VLMAdapter
 from runtime.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
-SERVED = "llava-anyres-tiny"
+SERVED = "family-tiny"
+BUILDERS = {**{f.value: build_llava_anyres for f in AnyResFamily}, **{f.value: build_idefics3 for f in SplitFamily}}
 MAX_TOKENS = NEW_TOKENS
 
 
@@ -99,10 +101,10 @@ def _request(adapter: VLMAdapter, case: Case) -> Request:
     return Request(_openai_messages(case), images, ids, new, finish)
 
 
-@pytest.fixture(scope="module", params=[f.value for f in AnyResFamily])
+@pytest.fixture(scope="module", params=list(BUILDERS))
 def stack(request, tmp_path_factory) -> Stack:
-    root = tmp_path_factory.mktemp(f"anyres-services-{request.param}")
-    checkpoint = build_llava_anyres(request.param, root / request.param)
+    root = tmp_path_factory.mktemp(f"family-services-{request.param}")
+    checkpoint = BUILDERS[request.param](request.param, root / request.param)
     cluster = Cluster(root, model=checkpoint)
     try:
         cluster.start("encoder")
