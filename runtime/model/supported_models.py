@@ -34,6 +34,7 @@ are refused per request; video-only architectures are refused here).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class Family:
     text_model_types: frozenset[str]
     mrope: bool = False      # 3-D M-RoPE positions (and a per-sequence rope delta) instead of 1-D RoPE
     anyres: bool = False     # any-resolution tiles (image_grid_pinpoints) packed by the model's own code
+    processor_needs: str | None = None   # a package the checkpoint's processor imports (refused where missing)
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -77,6 +79,8 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"idefics3_vision"}), frozenset({"llama"})),
     Family("SmolVLM", "SmolVLMForConditionalGeneration", "smolvlm",
            frozenset({"smolvlm_vision"}), frozenset({"llama"})),
+    Family("Mistral 3", "Mistral3ForConditionalGeneration", "mistral3",
+           frozenset({"pixtral"}), frozenset({"mistral"}), processor_needs="torchvision"),
     Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
            frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -116,6 +120,9 @@ def check_checkpoint(path: str | Path) -> None:
     """
     raw, _ = PretrainedConfig.get_config_dict(str(path))
     family = family_of(raw)
+    if family.processor_needs and importlib.util.find_spec(family.processor_needs) is None:
+        raise UnsupportedModel(f"{_name(raw)}: its processor needs {family.processor_needs}, which is not installed on "
+                               f"this host; supported: {supported_list()}")
     check_config(load_config(path), _image_processor_dict(path), family)
 
 
