@@ -110,6 +110,8 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
         request.token_ids.extend(job.token_ids)
         request.images.extend(refs)
         request.chunk_tokens = chunk_tokens
+    elif job.sampling.needs_prompt_ids:   # decode's sampling reads the prompt (repetition_penalty)
+        request.token_ids.extend(job.token_ids)
     started = time.monotonic()
     stream = decode.stub.Generate(request, timeout=e2e_timeout)
     call = None
