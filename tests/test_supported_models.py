@@ -16,17 +16,21 @@ from pathlib import Path
 import pytest
 from transformers import (
     Gemma3Config,
+    Idefics3Config,
     InternVLConfig,
     InternVLVisionConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaNextConfig,
+    LlavaOnevisionConfig,
     MistralConfig,
+    MllamaConfig,
     Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2VLConfig,
     Qwen3VLConfig,
     Qwen3VLMoeConfig,
+    SmolVLMConfig,
 )
 
 from gateway.prompt import PromptBuilder
@@ -57,7 +61,7 @@ def tiny_internvl(**text) -> InternVLConfig:
 
 REFUSED = {
     "gemma3": (lambda: Gemma3Config(), "Gemma3ForConditionalGeneration", "bidirectional"),
-    "llava-next": (lambda: LlavaNextConfig(), "LlavaNextForConditionalGeneration", "anyres"),
+    "mllama": (lambda: MllamaConfig(), "MllamaForConditionalGeneration", "cross-attention"),
 }
 
 
@@ -126,6 +130,18 @@ def test_the_demo_model_and_the_internvl_test_config_pass(tmp_path):
 ], ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_the_qwen_vl_families_pass(tmp_path, config, architecture):
     """Issue 17: M-RoPE is accepted for the Qwen-VL families (and still refused for a LLaVA decoder, above)."""
+    check_checkpoint(checkpoint(tmp_path, config(), architecture))
+
+
+@pytest.mark.parametrize("config, architecture", [
+    (lambda: LlavaNextConfig(), "LlavaNextForConditionalGeneration"),
+    (lambda: LlavaOnevisionConfig(), "LlavaOnevisionForConditionalGeneration"),
+    (lambda: Idefics3Config(), "Idefics3ForConditionalGeneration"),
+    (lambda: SmolVLMConfig(), "SmolVLMForConditionalGeneration"),
+], ids=["llava_next", "llava_onevision", "idefics3", "smolvlm"])
+def test_the_tiling_and_splitting_families_pass(tmp_path, config, architecture):
+    """Issue 18: image_grid_pinpoints (tiles) are accepted for LLaVA-NeXT and OneVision (still refused for LLaVA,
+    above), and the image-splitting Idefics3 and SmolVLM."""
     check_checkpoint(checkpoint(tmp_path, config(), architecture))
 
 

@@ -1,5 +1,6 @@
 """``epd demo-model``: build the shipped demo VLM (trained), the bench config (random), or a tiny
-random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl``, for tests)."""
+random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm``,
+for tests)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from .build import build_config, build_processor
+from .idefics3 import SplitFamily, build_idefics3
+from .llava_anyres import AnyResFamily, build_llava_anyres
 from .qwen_vl import QwenFamily, build_qwen_vl
 from .train import REQUIRED_ACCURACY, TrainPlan, train
 
@@ -41,7 +44,8 @@ def main(argv: list[str]) -> int:
                         help="output folder (default models/demo-vlm, or models/test-FAMILY for --family)")
     parser.add_argument("--bench", action="store_true", help="random-weight ~150M-parameter, 8k-context config")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily)], default="llava",
+    parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily), *(f.value for f in AnyResFamily),
+                                              *(f.value for f in SplitFamily)], default="llava",
                         help="llava: the demo model (trained) or --bench; others: a tiny random-weight test checkpoint")
     args = parser.parse_args(argv)
     if args.family != "llava" and args.bench:
@@ -51,7 +55,9 @@ def main(argv: list[str]) -> int:
     if args.out is None:
         args.out = Path("models/demo-vlm" if args.family == "llava" else f"models/test-{args.family}")
     if args.family != "llava":
-        build_qwen_vl(args.family, args.out, seed=args.seed)
+        builder = (build_llava_anyres if args.family in {f.value for f in AnyResFamily}
+                   else build_idefics3 if args.family in {f.value for f in SplitFamily} else build_qwen_vl)
+        builder(args.family, args.out, seed=args.seed)
         print(f"{args.family} test checkpoint (random weights) written to {args.out}")
         return 0
     accuracy = build(args.out, bench=args.bench, seed=args.seed)

@@ -2,8 +2,8 @@
 
 A checkpoint the split does not support must never start: a Gemma 3 model would
 answer every request with wrong text (its image tokens need bidirectional
-attention the chunked prefill does not build), a LLaVA-NeXT model would fail
-every request (multi-crop image features). ``check_checkpoint`` reads only
+attention the chunked prefill does not build), an Mllama model would fail
+every request (cross-attention to the image). ``check_checkpoint`` reads only
 ``config.json`` (and the image processor's config) and raises
 ``UnsupportedModel`` with one line naming the architecture, its model_type,
 what is wrong and the supported list. Called by every process that loads a
@@ -16,7 +16,8 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   name in ``runtime.model.families`` (vision tower, storage layout, placeholder
   rule, positions);
 * a vision tower of a ``vision_model_types`` type whose features the family
-  turns into one embedding per image, one tile per image (no multi-crop / anyres);
+  turns into one embedding per image: one tile per image, or the model's own
+  packing of any-resolution tiles for the families marked ``anyres``;
 * a decoder of a ``text_model_types`` type: causal self-attention through
   transformers' attention interface over every layer (no sliding window
   shorter than the context, no cross-attention, no bidirectional image
@@ -33,6 +34,7 @@ are refused per request; video-only architectures are refused here).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +57,8 @@ class Family:
     vision_model_types: frozenset[str]
     text_model_types: frozenset[str]
     mrope: bool = False      # 3-D M-RoPE positions (and a per-sequence rope delta) instead of 1-D RoPE
+    anyres: bool = False     # any-resolution tiles (image_grid_pinpoints) packed by the model's own code
+    processor_needs: str | None = None   # a package the checkpoint's processor imports (refused where missing)
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -66,6 +70,17 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"clip_vision_model", "siglip_vision_model"}), frozenset({"llama", "mistral", "qwen2"})),
     Family("InternVL", "InternVLForConditionalGeneration", "internvl",
            frozenset({"internvl_vision"}), frozenset({"llama", "qwen2"})),
+    Family("LLaVA-NeXT", "LlavaNextForConditionalGeneration", "llava_next",
+           frozenset({"clip_vision_model", "siglip_vision_model"}), frozenset({"llama", "mistral", "qwen2"}),
+           anyres=True),
+    Family("LLaVA-OneVision", "LlavaOnevisionForConditionalGeneration", "llava_onevision",
+           frozenset({"siglip_vision_model"}), frozenset({"qwen2"}), anyres=True),
+    Family("Idefics3", "Idefics3ForConditionalGeneration", "idefics3",
+           frozenset({"idefics3_vision"}), frozenset({"llama"})),
+    Family("SmolVLM", "SmolVLMForConditionalGeneration", "smolvlm",
+           frozenset({"smolvlm_vision"}), frozenset({"llama"})),
+    Family("Mistral 3", "Mistral3ForConditionalGeneration", "mistral3",
+           frozenset({"pixtral"}), frozenset({"mistral"}), processor_needs="torchvision"),
     Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
            frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -78,9 +93,7 @@ FAMILIES: tuple[Family, ...] = (
 KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "gemma3": "image tokens need bidirectional attention (token_type_ids mask)",
     "paligemma": "the image prefix needs bidirectional attention",
-    "llava_next": "multi-crop (anyres) image features",
-    "llava_next_video": "multi-crop (anyres) image features",
-    "llava_onevision": "multi-crop (anyres) image features",
+    "llava_next_video": "video inputs",
     "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
     "qwen2_5_omni": "audio and video inputs (thinker-talker)",
     "qwen3_omni_moe": "audio and video inputs (thinker-talker)",
@@ -88,7 +101,6 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "video_llava": "video inputs",
     "mllama": "cross-attention to the image",
     "idefics2": "perceiver-resampled multi-crop images",
-    "idefics3": "multi-crop image splitting",
     "pixtral": "variable-size image features need image_sizes",
 }
 
@@ -108,6 +120,9 @@ def check_checkpoint(path: str | Path) -> None:
     """
     raw, _ = PretrainedConfig.get_config_dict(str(path))
     family = family_of(raw)
+    if family.processor_needs and importlib.util.find_spec(family.processor_needs) is None:
+        raise UnsupportedModel(f"{_name(raw)}: its processor needs {family.processor_needs}, which is not installed on "
+                               f"this host; supported: {supported_list()}")
     check_config(load_config(path), _image_processor_dict(path), family)
 
 
@@ -148,7 +163,7 @@ def _vision_problem(config: PretrainedConfig, family: Family) -> str | None:
     vision_type = getattr(vision, "model_type", None)
     if vision_type not in family.vision_model_types:
         return f"vision tower {vision_type!r} is not supported"
-    if getattr(config, "image_grid_pinpoints", None):
+    if getattr(config, "image_grid_pinpoints", None) and not family.anyres:
         return "multi-crop (anyres image_grid_pinpoints) image features are not supported"
     return None
 

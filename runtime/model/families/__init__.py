@@ -18,12 +18,20 @@ from transformers import PretrainedConfig
 from runtime.model import supported_models
 
 from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan
+from .idefics3 import Idefics3Family, SmolVLMFamily
 from .llava import LlavaStyleFamily
+from .llava_anyres import LlavaNextFamily, LlavaOnevisionFamily
+from .mistral3 import Mistral3Family
 from .qwen_vl import Qwen3VLFamily, Qwen25VLFamily, QwenVLFamily
 
 IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "LLaVA": LlavaStyleFamily,
     "InternVL": LlavaStyleFamily,
+    "LLaVA-NeXT": LlavaNextFamily,
+    "LLaVA-OneVision": LlavaOnevisionFamily,
+    "Idefics3": Idefics3Family,
+    "SmolVLM": SmolVLMFamily,
+    "Mistral 3": Mistral3Family,
     "Qwen2-VL": QwenVLFamily,
     "Qwen2.5-VL": Qwen25VLFamily,
     "Qwen3-VL": Qwen3VLFamily,

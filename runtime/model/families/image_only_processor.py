@@ -18,6 +18,7 @@ used, so the CPU and GPU hosts build the same processor.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ def image_only_class(processor_class: type[ProcessorMixin]) -> type[ProcessorMix
     """
 
     base_attributes = [a for a in processor_class.get_attributes() if a != _DROPPED]
+    # some classes (SmolVLM) take the video processor as a required argument: it is None here
+    takes_video = _DROPPED in inspect.signature(processor_class.__init__).parameters
 
     def get_attributes(cls) -> list[str]:
         return list(base_attributes)
@@ -47,6 +50,8 @@ def image_only_class(processor_class: type[ProcessorMixin]) -> type[ProcessorMix
         # keep the scalar settings, the chat template and the sub-processors we load; drop the video's
         keep = {k: v for k, v in processor_dict.items()
                 if k == "chat_template" or k in base_attributes or not isinstance(v, (dict, list))}
+        if takes_video:
+            keep[_DROPPED] = None
         return keep, instantiation_kwargs
 
     def to_dict(self) -> dict[str, Any]:
