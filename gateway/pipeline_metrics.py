@@ -1,5 +1,5 @@
 """Prometheus metrics of the pipeline behind the HTTP layer: admission, placement, KV handoffs,
-failure actions, image cache checks, stage queue depths.
+failure actions, image cache checks, stage queue depths, decode prefix-cache lookups.
 
 They live in prometheus_client's process-wide ``REGISTRY`` (one pipeline per gateway process),
 which ``/metrics`` renders after the app's own HTTP metrics (``gateway.http_metrics``).
@@ -18,3 +18,6 @@ KV_TRANSFER_LATENCY = Histogram("epd:kv_transfer_latency_seconds", "KV transfer 
 KV_TRANSFER_FAILED = Counter("epd:kv_transfer_failed_total", "Failed KV transfer attempts")
 FAILURE_ACTIONS = Counter("epd:transfer_failure_actions_total", "What the gateway did after a failed transfer", ["action"])
 ENCODER_CACHE_CHECKS = Counter("epd:gateway_image_cache_checks_total", "Images checked against the encoder cache", ["cached"])
+# in tokens, as each decode worker's Reserve reply reports them (vLLM's names; the workers count the same)
+PREFIX_QUERIES = Counter("epd:prefix_cache_queries_total", "Prompt tokens looked up in a decode prefix cache", ["worker"])
+PREFIX_HITS = Counter("epd:prefix_cache_hits_total", "Prompt tokens served from a decode prefix cache", ["worker"])

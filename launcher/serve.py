@@ -79,6 +79,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
                    help="(EPD_PLACEMENT)")
     p.add_argument("--limit-images-per-request", type=int, default=gateway.limit_images_per_request,
                    help="images one request may carry; more is a 400 before any work (EPD_LIMIT_IMAGES_PER_REQUEST)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=worker.prefix_cache,
+                   help="decode workers keep no KV after a request ends (EPD_PREFIX_CACHE=false)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
     p.add_argument("--restart-backoff-s", type=float, default=serve.restart_backoff_s,
@@ -154,6 +156,8 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--metrics-port", str(worker.metrics_port + n)]
             if role == "decode" and worker.bulk_port:
                 argv += ["--bulk-port", str(worker.bulk_port + i)]
+            if role == "decode" and not args.prefix_cache:
+                argv += ["--no-prefix-cache"]
             specs.append(ChildSpec(role, address, argv, env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1
