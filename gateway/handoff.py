@@ -48,6 +48,7 @@ from . import pipeline_metrics as m
 from .attempt import AttemptOutcome, AttemptResult, record_first_event, run_attempt
 from .chat_backend import BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
 from .prefix_routing import PrefixView
+from runtime.model.prefix_keys import summary_id
 from .recovery import Failure, RecoveryPlan, Step, choose_action, least_loaded_decode, plan_recovery
 from .worker_registry import WorkerHandle, WorkerRegistry
 from .worker_rpc import WorkerRpc
@@ -203,6 +204,12 @@ class Handoff:
 
     # -- helpers -------------------------------------------------------------------
     async def _close(self) -> None:
+        if self.state is HandoffState.FINISHED and self.prefix is not None:
+            # decode retired the sequence and cached its full prompt blocks before its last event:
+            # the summary knows it now, before the next poll brings the worker's own
+            keys = self.prefix.keys_for(self.decode)
+            if keys:
+                self.decode.prefix_summary = self.decode.prefix_summary | {summary_id(k) for k in keys}
         if self.reservation is not None:
             await self.rpc.release(self.decode, self.reservation, self.job, "request ended")
             self.reservation = None
