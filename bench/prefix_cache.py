@@ -45,6 +45,8 @@ from runtime.demo_model.shapes import QUESTIONS, draw_shape
 CONFIGS = {"cache": [], "no-cache": ["--no-prefix-cache"]}
 FOLLOW_UPS = ("what shape is shown ?", "what do you see ?", "describe the image .", "what is in the image ?")
 MAX_TOKENS = 16
+# generous SLOs: this measures TTFT, it must not turn slow first turns on a shared host into 504s or 429s
+SLO_HEADERS = {"x-ttft-slo-ms": "120000", "x-itl-slo-ms": "10000"}
 
 
 def model_words(model: Path) -> list[str]:
@@ -85,7 +87,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     """One streamed request: TTFT (send -> first content chunk), text, the final chunk's TTFT
     breakdown and ``usage.prompt_tokens``."""
     started, ttft, pieces, breakdown, prompt = time.perf_counter(), None, [], {}, None
-    async with client.stream("POST", url, json=body) as response:
+    async with client.stream("POST", url, json=body, headers=SLO_HEADERS) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
         async for line in response.aiter_lines():
