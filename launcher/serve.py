@@ -11,7 +11,7 @@ Every default comes from the settings classes of the processes it configures
 (``WorkerSettings``, ``GatewaySettings``, ``ServeSettings``), so an ``EPD_*`` variable means the
 same to serve as to them, and serve passes a flag to a child only for what it decides itself
 (model, device, listening address, and ``--limit-images-per-request``, which every process
-must agree on). Besides serve's own environment every child gets:
+must agree on; ``--no-prefix-cache`` goes to the decode workers). Besides serve's own environment every child gets:
 
 - ``EPD_ENCODER_ADDRS``, ``EPD_PREFILL_ADDRS``, ``EPD_DECODE_ADDRS``: every worker's address,
   all fixed before the first one starts (a role without workers: the variable is unset);

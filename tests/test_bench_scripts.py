@@ -326,3 +326,18 @@ def test_decode_throughput_steps_a_batch_on_the_demo_model() -> None:
     row = batch.result()
     assert (row["batch"], row["context"], row["steps"]) == (2, 8, 2)
     assert [s.position for s in batch.seqs] == [11, 11]
+
+
+def test_prefix_cache_summary_reads_turns_two_on() -> None:
+    from bench.prefix_cache import first_turn_text, summarize
+
+    rows = [{"turn": 1, "ttft_s": 3.0, "cached_tokens": 0, "prompt_tokens": 100, "breakdown": {}},
+            {"turn": 2, "ttft_s": 0.5, "cached_tokens": 96, "prompt_tokens": 120, "breakdown": {"colocated_prefill_ms": 1}},
+            {"turn": 3, "ttft_s": 1.5, "cached_tokens": 0, "prompt_tokens": 140, "breakdown": {}}]
+    s = summarize(rows)
+    assert s["ttft_p50_turn1_ms"] == 3000 and s["ttft_p50_later_ms"] == 1000
+    assert s["hit_rate_later"] == 96 / 260 and s["colocated_later"] == 1
+    import random
+
+    text = first_turn_text(300, random.Random(0), ["red", "circle"])
+    assert len(text.split()) > 300 and set(text.split()[:300]) <= {"red", "circle"}

@@ -150,3 +150,19 @@ def test_a_gateway_port_in_use_is_refused_before_anything_starts(capsys):
         assert serve.main(["--host", "127.0.0.1", "--port", str(port)]) == 1
     assert time.monotonic() - t0 < 5, "refused at once, no worker started"
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_no_prefix_cache_reaches_the_decode_workers_alone(monkeypatch):
+    _, _, workers, _ = build([])
+    assert all("--no-prefix-cache" not in w.argv for w in workers)
+    _, _, workers, gateway = build(["--no-prefix-cache", "--decodes", "2"])
+    assert [("--no-prefix-cache" in w.argv) for w in workers] == [w.role == "decode" for w in workers]
+    assert "--no-prefix-cache" not in gateway.argv
+    monkeypatch.setenv("EPD_PREFIX_CACHE", "false")
+    args, _, _, _ = build([])
+    assert args.prefix_cache is False
+    assert WorkerSettings().prefix_cache is False
+    from runtime.worker.settings import parse_worker_args
+    monkeypatch.delenv("EPD_PREFIX_CACHE")
+    assert parse_worker_args("decode", ["--no-prefix-cache"]).prefix_cache is False
+    assert parse_worker_args("decode", []).prefix_cache is True
