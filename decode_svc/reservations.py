@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 
+from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.kv_pool import KVBlockPool
 from runtime.worker.transfer_state import TransferState, advance
 
@@ -73,6 +74,7 @@ class TransferAttempt:
     landing: set[int] = field(default_factory=set)   # chunk indices being received in place (bulk path)
     total_chunks: int | None = None
     first_token: int | None = None
+    first_logprobs: pb.TokenLogprobs | None = None  # the final chunk's, when the request asked for logprobs
     token_digest: str = ""
     model_fingerprint: str = ""
     rope_delta: int | None = None                   # the final chunk's (None: it carried none)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SamplingParams, sample_token
+from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
@@ -60,6 +60,7 @@ class StepEvent:
     token_ids: list[int]
     end: DecodeStatus | None = None    # the sequence's finished status on its last event
     detail: str = ""
+    logprobs: list[SampledToken] = field(default_factory=list)   # one per token when the request asked
 
     @property
     def finish_reason(self) -> str | None:
@@ -75,8 +76,9 @@ class Sequence:
     max_tokens: int
     sampling: SamplingParams
     rope_delta: int = 0                # M-RoPE offset of every token after the prompt (verified; 0 for 1-D)
+    prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)       # every token emitted, the first (prefill's) included
     # colocated prefill state: the prompt still to run, from `prefilled` on
     prompt: PreparedPrompt | None = None
     prefilled: int = 0
@@ -125,12 +127,12 @@ class DecodeScheduler:
         self._task: asyncio.Task | None = None
 
     # -- admission into the batch ----------------------------------------------
-    def insert(self, seq: Sequence, first_token: int) -> None:
-        """A verified handoff joins the batch; its first token (from prefill) is emitted now."""
+    def insert(self, seq: Sequence, first: SampledToken) -> None:
+        """A verified handoff joins the batch; its first token (from prefill, with its logprobs) is emitted now."""
         if self._lease_lost(seq):
             return
         seq.prefilled = seq.prompt_len      # the whole prompt's KV is in its blocks (verified, or prefilled here)
-        if self._accept(seq, first_token):
+        if self._accept(seq, first):
             seq._status = DecodeStatus.RUNNING
             self._running.append(seq)
         self._wake.set()
@@ -270,21 +272,30 @@ class DecodeScheduler:
         for seq, start, end in chunks:
             items.append(seq.prompt.item(start, end, seq.blocks))
         logits = self.adapter.forward_packed(self.pool, items)
-        next_tokens = [sample_token(logits[i], s.sampling, s.next_position + 1) for i, s in enumerate(decoding)]
+        next_tokens = [self._sample(s, logits[i], s.next_position + 1) for i, s in enumerate(decoding)]
         first_tokens = []
         for j, (seq, _, end) in enumerate(chunks):
             row = logits[len(decoding) + j]
-            first_tokens.append(None if row is None else sample_token(row, seq.sampling, seq.prompt_len))
+            first_tokens.append(None if row is None else self._sample(seq, row, seq.prompt_len))
         return next_tokens, first_tokens
 
+    def _sample(self, seq: Sequence, logits, position: int) -> SampledToken:
+        """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far."""
+        ctx = SamplingContext(seq.prompt_ids, seq.output, self.adapter.eos_token_ids)
+        return sample(logits, seq.sampling, ctx, position)
+
     # -- retirement -------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Emit ``token`` (unless EOS) and retire the sequence if it is done. True while it runs on."""
-        if token in self.adapter.eos_token_ids:
-            self._retire(seq, DecodeStatus.FINISHED_STOPPED)  # EOS ends the turn and is not content
+    def _accept(self, seq: Sequence, sampled: SampledToken) -> bool:
+        """Emit the token (unless it ends the turn) and retire the sequence if it is done. True while it runs on.
+
+        EOS (unless ``ignore_eos``) and the request's ``stop_token_ids`` end the turn and are not content.
+        """
+        token = sampled.token_id
+        if token in seq.sampling.stop_token_ids or (token in self.adapter.eos_token_ids and not seq.sampling.ignore_eos):
+            self._retire(seq, DecodeStatus.FINISHED_STOPPED)
             return False
         seq.output.append(token)
-        seq.events.put_nowait(StepEvent([token]))
+        seq.events.put_nowait(StepEvent([token], logprobs=[sampled] if sampled.logprob is not None else []))
         if len(seq.output) >= seq.max_tokens or seq.prompt_len + len(seq.output) >= self.adapter.context_length:
             self._retire(seq, DecodeStatus.FINISHED_LENGTH)
             return False

@@ -65,7 +65,7 @@ from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.transfer_state import TransferState
-from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest
+from runtime.worker.wire import logprobs_to_pb, ref_grids, sampled_from_pb, sampling_from_pb, token_digest
 
 from .kv_receiver import KVReceiver, StreamTally
 from .prefix_match import PrefixCacheCounters, needed_images, request_keys, spans_of, with_stand_ins
@@ -206,6 +206,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.ReleaseResponse(released=self.table.release(rid, request.reason or "released by gateway"))
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            sampling = sampling_from_pb(request.sampling)
+        except ValueError as exc:   # before attaching: nothing is held yet
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         res = self.table.attach(request.reservation.reservation_id, request.reservation.generation)
         if isinstance(res, AttachRefused):
             await context.abort(_ATTACH_CODES[res], res.value)
@@ -214,9 +218,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         deadline = min(unix_ms_to_monotonic(request.deadline_unix_ms), res.lease_expires_at)
         arrived = time.monotonic()
         seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
-                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling_from_pb(request.sampling),
+                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling,
                        rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
-                       shared=res.shared)
+                       prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [], shared=res.shared)
         keep_reservation = False
         try:
             problem = self._check_prefix_keys(request, res)
@@ -225,11 +229,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if request.colocated:
                 await self._start_colocated(request, res, lease, seq, deadline, context)
             else:
+                if seq.prompt_ids and len(seq.prompt_ids) != res.prompt_tokens:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"{len(seq.prompt_ids)} prompt ids for a reservation of {res.prompt_tokens} tokens")
                 failure = await self._await_transfer(res, lease, deadline)
                 if failure is not None:
                     code, detail, keep_reservation = failure
                     await context.abort(code, detail)
-                self.scheduler.insert(seq, res.attempt.first_token)
+                self.scheduler.insert(seq, sampled_from_pb(res.attempt.first_token, res.attempt.first_logprobs))
             first = True
             while True:
                 timeout = max(0.0, deadline - time.monotonic()) if first else None
@@ -239,7 +246,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
                 if ev.end in _ABORT_CODES:
                     await context.abort(_ABORT_CODES[ev.end], ev.detail or ev.finish_reason)
-                out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "")
+                out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "",
+                                    logprobs=[logprobs_to_pb(s) for s in ev.logprobs])
                 if first:
                     first = False
                     self._fill_first_event(out, res, arrived, seq)

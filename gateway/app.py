@@ -45,6 +45,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .auth import install_api_keys
 from .chat_backend import ChatBackend
 from .chat_handler import ChatHandler
+from .completions_handler import CompletionsHandler
+from .completions_schema import CompletionRequest, DetokenizeRequest, DetokenizeResponse, TokenizeResponse
 from .errors import ApiError, error_body, install_error_handlers
 from .images import ImageLimits, ImageLoader, RemoteImageFetcher
 from .loop_lag import LoopLagMonitor
@@ -53,6 +55,7 @@ from .http_metrics import HttpMetrics
 from .openai_schema import ChatCompletionRequest, ModelCard, ModelList
 from .prompt import PromptBuilder
 from .settings import GatewaySettings
+from .tokenize_handler import TokenizeHandler
 
 log = logging.getLogger("epd.gateway")
 
@@ -149,6 +152,8 @@ def create_app(
     images = ImageLoader(limits, fetcher=None)
     loop_lag = LoopLagMonitor(on_sample=metrics.loop_lag.set)
     handler = ChatHandler(settings, orchestrator, prompts, images, metrics, loop_lag)
+    completions = CompletionsHandler(handler)
+    tokenizing = TokenizeHandler(handler)
     created = int(time.time())
 
     @asynccontextmanager
@@ -191,7 +196,26 @@ def create_app(
     def model_card() -> ModelCard:
         return ModelCard(id=settings.served_model_name, created=created)
 
-    _publish_body_schemas(app, [ChatCompletionRequest], settings.served_model_name)
+    @app.post(
+        "/v1/completions",
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"{COMPONENTS}CompletionRequest"}}}}},
+        summary="OpenAI (legacy) text completions (stream true or false)",
+    )
+    async def text_completions(request: Request) -> Response:
+        return await completions.handle(request)
+
+    @app.post("/tokenize", summary="vLLM: a chat's (messages) or a text's (prompt) token ids; no model work")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return await tokenizing.tokenize(request)
+
+    @app.post("/detokenize", summary="vLLM: token ids back to text",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": {"$ref": f"{COMPONENTS}DetokenizeRequest"}}}}})
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return await tokenizing.detokenize(request)
+
+    _publish_body_schemas(app, [ChatCompletionRequest, CompletionRequest, DetokenizeRequest], settings.served_model_name)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -106,7 +106,8 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
                                  sampling=sampling_to_pb(job.sampling),
                                  deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s))
     # the prompt travels either way: colocated, decode prefills it; disaggregated, decode checks
-    # the prefix keys it caches the prompt's blocks under against it
+    # the prefix keys it caches the prompt's blocks under against it (and sampling that reads the
+    # prompt's ids, repetition_penalty, reads them)
     request.token_ids.extend(job.token_ids)
     request.images.extend(refs)
     request.cache_salt = job.cache_salt

@@ -3,7 +3,8 @@
 What needs a key, once at least one is configured (without keys everything is open):
 
 ===============================  ==============================================
-``/v1/*``                        always
+``/v1/*``, ``/tokenize``,        always (tokenizing a chat fetches its images)
+``/detokenize``
 ``/metrics``, ``/status``        unless ``open_metrics_and_status``
 ``/health``, docs, anything else open (probes must not need a secret)
 ===============================  ==============================================
@@ -80,7 +81,7 @@ def bearer_token(authorization: bytes | None) -> str | None:
 
 
 def needs_key(path: str, open_metrics_and_status: bool) -> bool:
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
         return True
     return path in ("/metrics", "/status") and not open_metrics_and_status
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from runtime.model.sampling import SamplingParams
+from runtime.model.sampling import SampledToken, SamplingParams
 
 
 @dataclass(slots=True)
@@ -67,6 +67,7 @@ class TokenEvent:
     token_ids: list[int]                             # new tokens (usually one)
     finish_reason: str | None = None                 # "stop" (EOS) or "length", on the last event only
     ttft_breakdown: dict[str, float] | None = None   # on the first event: milliseconds per stage
+    logprobs: list[SampledToken] | None = None       # one per token when the request asked for logprobs
 
 
 class ChatBackend(Protocol):

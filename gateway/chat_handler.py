@@ -33,7 +33,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -41,14 +41,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from runtime.model.sampling import SamplingParams
-
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
 from .images import ImageLoader
+from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
 from .openai_schema import (
@@ -63,6 +62,7 @@ from .openai_schema import (
     Usage,
 )
 from .prompt import BuiltPrompt, PromptBuilder
+from .sampling_fields import sampling_problem
 from .settings import GatewaySettings
 
 log = logging.getLogger("epd.gateway")
@@ -106,20 +106,20 @@ class ChatHandler:
         self.images = images
         self.metrics = metrics
         self._prompt_slots = asyncio.Semaphore(settings.prompt_workers)   # builds in flight, one processor copy each
+        self.logprob_format = LogprobFormatter(prompts.decode_tokenizer)
 
     # -- steps 1-5: from request to job -------------------------------------------
     async def parse(self, request: Request) -> ChatCompletionRequest:
-        body = await request.body()
-        try:
-            document = pydantic_core.from_json(body)
-        except ValueError as exc:
-            raise ApiError.bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
-        if not isinstance(document, dict):
-            raise ApiError.bad_request("request body must be a JSON object", None, "invalid_json")
+        document = await read_json_object(request)
         try:
             chat = ChatCompletionRequest.model_validate(document)
         except ValidationError as exc:
             raise from_validation_error(exc, document) from None
+        self.check(chat)
+        return chat
+
+    def check(self, chat: ChatCompletionRequest) -> None:
+        """Step 3: the request checks that need no tokenizer (400s naming the field)."""
         if chat.model != self.settings.served_model_name:
             raise ApiError.bad_request(
                 f"model {chat.model!r} is not served here; this server serves {self.settings.served_model_name!r}",
@@ -138,7 +138,6 @@ class ChatHandler:
                 f"{n_images} images; this server accepts at most {self.settings.limit_images_per_request} per request",
                 "messages", "too_many_images",
             )
-        return chat
 
     async def load_images(self, chat: ChatCompletionRequest) -> list[PreparedImage]:
         parts = [
@@ -161,18 +160,17 @@ class ChatHandler:
         return [t.result() for t in tasks]
 
     async def build_job(self, request: Request, chat: ChatCompletionRequest, request_id: str, arrival_s: float) -> ChatJob:
-        ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
-        itl_slo_ms = self._slo(request, ITL_HEADER, self.settings.itl_slo_ms)
+        ttft_slo_ms = self.slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
+        itl_slo_ms = self.slo(request, ITL_HEADER, self.settings.itl_slo_ms)
         await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
         images = await self.load_images(chat)
-        prompt = await self._build_prompt(chat, images)
+        prompt = await self.build_prompt(chat, images)
         token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
-        sampling = SamplingParams(
-            temperature=1.0 if chat.temperature is None else chat.temperature,
-            top_p=1.0 if chat.top_p is None else chat.top_p,
-            seed=chat.seed,
-        )
+        sampling = chat.sampling_params(chat.requested_logprobs)
+        problem = sampling_problem(sampling, max_tokens, len(self.prompts.decode_tokenizer))
+        if problem is not None:
+            raise ApiError.bad_request(problem[1], problem[0], "invalid_value")
         return ChatJob(
             request_id=request_id,
             token_ids=token_ids,
@@ -192,28 +190,41 @@ class ChatHandler:
 
     # -- steps 6-7 ----------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
+        return await self.serve(request, "chatcmpl", self._chat)
+
+    async def _chat(self, request: Request, request_id: str, arrival_s: float) -> Response:
+        chat = await self.parse(request)
+        job = await self.build_job(request, chat, request_id, arrival_s)
+        generation, first = await self.start(request, job, chat.stop_sequences)
+        if chat.stream:
+            return sse_response(self.guarded_stream(generation, self._sse(chat, generation, first)), request_id)
+        return await self._complete(request, chat, generation, first)
+
+    async def start(self, request: Request, job: ChatJob, stops: list[str]) -> tuple[Generation, TokenEvent]:
+        """Hand ``job`` to the backend and wait for its first event (see the module docstring, step 6)."""
+        self.metrics.prompt_tokens.inc(len(job.token_ids))
+        detok = IncrementalDetokenizer(self.prompts.decode_tokenizer, stops)
+        generation = Generation(job, self.backend.generate(job), detok, self.metrics, time.monotonic())
+        try:
+            first = await unless_disconnected(request, generation.first_event(self.settings.deadline_grace_ms / 1e3))
+        except BaseException:
+            await generation.close()
+            raise
+        log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
+                  job.request_id, len(job.token_ids), len(job.images), job.max_tokens)
+        return generation, first
+
+    async def serve(self, request: Request, id_prefix: str,
+                    work: Callable[[Request, str, float], Awaitable[Response]]) -> Response:
+        """The envelope of every generating endpoint: the request id and its clock, the pre-body shed,
+        and each failure counted and turned into its OpenAI error."""
         hidden_wait_s = self.loop_lag.recent_s()   # waited for this loop before this line ran
         arrival_s = time.monotonic() - hidden_wait_s
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request.state.request_id = request_id
         try:
             self._shed_if_backlogged(request, hidden_wait_s)
-            chat = await self.parse(request)
-            job = await self.build_job(request, chat, request_id, arrival_s)
-            self.metrics.prompt_tokens.inc(len(job.token_ids))
-            detok = IncrementalDetokenizer(self.prompts.decode_tokenizer, chat.stop_sequences)
-            generation = Generation(job, self.backend.generate(job), detok, self.metrics, time.monotonic())
-            try:
-                first = await _unless_disconnected(request, generation.first_event(self.settings.deadline_grace_ms / 1e3))
-            except BaseException:
-                await generation.close()
-                raise
-            log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
-                      request_id, len(job.token_ids), len(job.images), job.max_tokens)
-            if chat.stream:
-                return SSEResponse(self._sse(chat, generation, first), media_type="text/event-stream", headers={
-                    "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._complete(request, chat, generation, first)
+            return await work(request, request_id, arrival_s)
         except ClientDisconnected:
             self.metrics.failure.labels(reason="cancelled").inc()
             log.info("request %s: client disconnected, cancelled", request_id)
@@ -225,7 +236,7 @@ class ChatHandler:
             error.headers.setdefault("x-request-id", request_id)
             raise error from None
 
-    async def _build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
+    async def build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage]) -> BuiltPrompt:
         """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
         builds run at once. A slot is held until its thread ends, even when the request is cancelled
         meanwhile (a thread cannot be)."""
@@ -238,13 +249,13 @@ class ChatHandler:
                 await asyncio.gather(build, return_exceptions=True)
                 raise
 
-    def _slo(self, request: Request, header: str, default_ms: float) -> float:
+    def slo(self, request: Request, header: str, default_ms: float) -> float:
         return parse_slo_header(request.headers.get(header), default_ms, header, self.settings.max_slo_ms)
 
     def _shed_if_backlogged(self, request: Request, hidden_wait_s: float) -> None:
         """Refuse before reading the body when the wait so far plus the admitted backlog already
         miss the deadline (cheap, so an overloaded gateway spends little on what it refuses)."""
-        ttft_slo_ms = self._slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
+        ttft_slo_ms = self.slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         wait_ms = self.backend.shed_estimate_ms() + hidden_wait_s * 1000
         if wait_ms > ttft_slo_ms:
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
@@ -262,14 +273,16 @@ class ChatHandler:
             return "".join([text async for text in generation.texts(first)])
 
         try:
-            content = await _unless_disconnected(request, collect())
+            content = await unless_disconnected(request, collect())
         finally:
             await generation.close()
+        logprobs = self.logprob_format.chat(generation.take_logprobs()) if chat.logprobs else None
         body = ChatCompletion(
             id=generation.job.request_id,
             created=int(time.time()),
             model=chat.model,
-            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason)],
+            choices=[Choice(message=AssistantMessage(content=content), finish_reason=generation.finish_reason,
+                            logprobs=logprobs)],
             usage=self._usage(generation),
         )
         headers = {
@@ -287,38 +300,69 @@ class ChatHandler:
     async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent) -> AsyncIterator[bytes]:
         created = int(time.time())
 
-        def chunk(delta: Delta, finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+            if chat.continuous_usage:
+                extra.setdefault("usage", self._usage(generation))
             body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
-            return b"data: " + body.model_dump_json().encode() + b"\n\n"
+                                       choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+                                       **extra)
+            return sse_event(body)
 
+        yield chunk(Delta(role="assistant", content=""))
+        async for text in generation.texts(first):
+            samples = generation.take_logprobs()
+            if text or samples:
+                yield chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
+        await generation.close()  # release the backend's hold now, not after the last bytes are sent
+        yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)
+        if chat.include_usage:
+            yield sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
+                                                choices=[], usage=self._usage(generation)))
+
+    async def guarded_stream(self, generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``body``'s events, then ``[DONE]``; an error after the headers goes into the stream as an error
+        object; every path closes ``generation`` and counts a stream the client left as cancelled."""
         outcome: str | None = None   # "finished" or "failed"; None at the end means cancelled
         try:
-            yield chunk(Delta(role="assistant", content=""))
-            async for text in generation.texts(first):
-                if text:
-                    yield chunk(Delta(content=text))
+            async for event in body:
+                yield event
             outcome = "finished"
-            await generation.close()  # release the backend's hold now, not after the last bytes are sent
-            yield chunk(Delta(), generation.finish_reason, epd_ttft_breakdown=generation.ttft_breakdown)
-            if chat.include_usage:
-                body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                           choices=[], usage=self._usage(generation))
-                yield b"data: " + body.model_dump_json().encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # after the headers: the error goes into the stream
             outcome = "failed"
             error = self._count_failure(exc)
             if error is None:
                 log.exception("request %s failed mid-stream", generation.job.request_id)
-            body = error.body() if error is not None else internal_error_body(generation.job.request_id)
-            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+            document = error.body() if error is not None else internal_error_body(generation.job.request_id)
+            yield b"data: " + json.dumps(document).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            if outcome is None:
+            if outcome is None and generation.finish_reason is None:
                 self.metrics.failure.labels(reason="cancelled").inc()
                 log.info("request %s: stream closed early (client gone), cancelled", generation.job.request_id)
+            await body.aclose()   # type: ignore[attr-defined]  # always an async generator here
             await generation.close()
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (its size already bounded by ``BodyLimitMiddleware``), else a 400."""
+    body = await request.body()
+    try:
+        document = pydantic_core.from_json(body)
+    except ValueError as exc:
+        raise ApiError.bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(document, dict):
+        raise ApiError.bad_request("request body must be a JSON object", None, "invalid_json")
+    return document
+
+
+def sse_event(body: Any) -> bytes:
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+def sse_response(events: AsyncIterator[bytes], request_id: str) -> "SSEResponse":
+    return SSEResponse(events, media_type="text/event-stream", headers={
+        "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class ClientDisconnected(Exception):
@@ -333,7 +377,7 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; should the client disconnect first, cancel it and raise ``ClientDisconnected``.
 
     Used while nothing has been sent yet (waiting for the first token, collecting a

@@ -21,6 +21,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from runtime.model.sampling import SampledToken
+
 from .chat_backend import ChatJob, TokenEvent
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError
@@ -47,6 +49,7 @@ class Generation:
         self.ttft_breakdown: dict[str, float] = {}
         self._last_s: float | None = None   # when the previous event arrived; None before the first
         self._backend_finished = False      # the backend sent the finish_reason (not a cut made here)
+        self._logprobs: list[SampledToken] = []   # of the tokens consumed since the last take_logprobs()
 
     async def first_event(self, grace_s: float) -> TokenEvent:
         """The first event, or the error that replaces it; the gateway's own deadline guard included."""
@@ -96,6 +99,8 @@ class Generation:
             self.metrics.observe_tokens(now - self._last_s, len(ids))
         self._last_s = now
         self.completion_tokens += len(ids)
+        if event.logprobs:
+            self._logprobs.extend(event.logprobs[: len(ids)])
         text = self.detok.add(ids)
         if self.detok.stopped:
             self.finish_reason = "stop"
@@ -111,6 +116,11 @@ class Generation:
             self.metrics.e2e.observe(now - self.job.arrival_s)
             self.metrics.success.labels(finished_reason=self.finish_reason).inc()
         return text
+
+    def take_logprobs(self) -> list[SampledToken]:
+        """The logprobs of the tokens consumed since the last call (empty when the request asked for none)."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     def _on_first(self, event: TokenEvent, now: float) -> None:
         ttft = now - self.job.arrival_s

@@ -40,9 +40,11 @@ from enum import IntEnum
 import grpc
 
 from proto.epd.v1 import epd_pb2 as pb
+from runtime.model.sampling import SampledToken
 from runtime.policy.cost_model import CostModel
 from runtime.policy.loads import RequestShape, StageLoads
 from runtime.policy.placement_policy import PlacementDecision
+from runtime.worker.wire import sampled_from_pb
 
 from . import pipeline_metrics as m
 from .attempt import AttemptOutcome, AttemptResult, record_first_event, run_attempt
@@ -191,14 +193,14 @@ class Handoff:
         if first.finish_reason:
             self.reservation = None   # the decode worker retired the sequence and freed its blocks itself
             self.state = HandoffState.FINISHED
-        yield TokenEvent(list(first.token_ids), first.finish_reason or None, self.breakdown)
+        yield TokenEvent(list(first.token_ids), first.finish_reason or None, self.breakdown, _logprobs(first))
         if first.finish_reason:
             return
         async for ev in self.result.stream:
             if ev.finish_reason:
                 self.reservation = None
                 self.state = HandoffState.FINISHED
-            yield TokenEvent(list(ev.token_ids), ev.finish_reason or None)
+            yield TokenEvent(list(ev.token_ids), ev.finish_reason or None, logprobs=_logprobs(ev))
             if ev.finish_reason:
                 return
 
@@ -238,3 +240,12 @@ class Handoff:
         m.FAILURE_ACTIONS.labels("other_decode").inc()
         log.warning("decode worker %s is gone; placing the request on another", lost.address)
         return least_loaded_decode(others)
+
+
+def _logprobs(ev: pb.TokenEvent) -> list[SampledToken] | None:
+    """The event's tokens with their logprobs, or ``None`` when the decode worker sent none (not asked for)."""
+    if not ev.logprobs:
+        return None
+    if len(ev.logprobs) != len(ev.token_ids):
+        raise BackendFailure(f"decode sent {len(ev.logprobs)} logprobs for {len(ev.token_ids)} tokens", 502)
+    return [sampled_from_pb(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs)]

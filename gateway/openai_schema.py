@@ -4,13 +4,14 @@ Requests are validated strictly (``"max_tokens": "10"`` is a 400, not 10), and
 every field of the request, at every level, falls under one rule:
 
 * a field we honour is declared here, with exactly the range the workers
-  handle (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``seed`` in the
-  int64 range: ``runtime.model.sampling``; an image part's ``detail`` "auto" or
-  "high", since the processor always uses the model's full resolution);
+  handle (the sampling fields, shared with completions, are
+  ``gateway.sampling_fields``, bounded by ``runtime.model.sampling``;
+  ``logprobs`` / ``top_logprobs`` up to 20; an image part's ``detail`` "auto"
+  or "high", since the processor always uses the model's full resolution);
 * a known OpenAI or vLLM field we do not honour is accepted only at its no-op
-  value (``n: 1``, ``logprobs: false``, penalties 0, ``response_format:
-  {"type": "text"}``, ``logit_bias: {}``, ``tool_choice: "none"`` without
-  tools ...; the table is ``gateway.request_fields``), else 400
+  value (``n: 1``, ``response_format: {"type": "text"}``, ``logit_bias: {}``,
+  ``tool_choice: "none"`` without tools ...; the table is
+  ``gateway.request_fields``), else 400
   ``unsupported_parameter`` naming it;
 * any other field is refused, 400 ``unknown_parameter``: "Unrecognized request
   argument supplied: X", as OpenAI does.
@@ -32,10 +33,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from runtime.model.sampling import MAX_TEMPERATURE, SEED_MAX, SEED_MIN
+from runtime.model.sampling import MAX_TOP_LOGPROBS
 
 from . import request_fields
 from .request_fields import Refusal, first_refusal
+from .sampling_fields import SamplingFields
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
@@ -151,37 +153,39 @@ ChatMessage = Annotated[
 ]
 
 
+def check_stop(value: Any) -> Any:
+    """``stop``: a string or at most ``MAX_STOP_SEQUENCES`` of them, each 1..``MAX_STOP_CHARS`` characters."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
+    return value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: every chunk carries the usage so far
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_shape(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise ValueError("stop must be a string or a list of strings")
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"each stop sequence must be 1..{MAX_STOP_CHARS} characters")
-        return value
+    _stop_shape = field_validator("stop", mode="before")(check_stop)
 
     def unsupported(self) -> Refusal | None:
         """The first field the gateway does not honour at the value sent (see the module docstring), else ``None``."""
@@ -189,6 +193,8 @@ class ChatCompletionRequest(_Strict):
 
     def _refusals(self) -> Iterator[Refusal | None]:
         yield first_refusal(self, "", request_fields.TOP_LEVEL)
+        if self.top_logprobs and not self.logprobs:
+            yield Refusal("top_logprobs", "top_logprobs requires logprobs to be true", "invalid_value")
         if self.stream_options is not None:
             if not self.stream:
                 yield Refusal("stream_options", "stream_options is only allowed when stream is true",
@@ -222,6 +228,15 @@ class ChatCompletionRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """``None`` without ``logprobs``; else how many alternatives per token (``top_logprobs``, default 0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # -- responses --------------------------------------------------------------------
 class Usage(BaseModel):
@@ -235,11 +250,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -261,7 +291,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -261,6 +261,30 @@ class PromptBuilder:
             return runs
         return [sum(runs) // n_images] * n_images
 
+    def text_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool) -> BuiltPrompt:
+        """A completions prompt (text, or token ids) as the workers need it; no images. CPU-bound, thread-safe."""
+        if isinstance(prompt, str):
+            self._check_text(prompt, "prompt")
+            self._refuse_unless_fits(self.floor.tokens_at_least([prompt]), "the prompt", "prompt")
+            with self._processors.lease() as processor:
+                tokenizer = getattr(processor, "tokenizer", processor)
+                ids = [int(t) for t in tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]]
+        else:
+            ids = list(prompt)
+            self.check_token_ids(ids, "prompt")
+        return BuiltPrompt(ids, [], self.positions(ids, [])[1])
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """400 unless every id is in the vocabulary and none is an image placeholder (images come as image parts)."""
+        vocab = len(self.tokenizer)
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ApiError.bad_request(f"token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})", param,
+                                       "invalid_value")
+        if self.image_token_id is not None and self.image_token_id in ids:
+            raise ApiError.bad_request(f"token id {self.image_token_id} is the image placeholder; prompts of token ids "
+                                       "carry no images", param, "invalid_value")
+
     def positions(self, token_ids: Sequence[int],
                   images: Sequence[Image.Image]) -> tuple[list[tuple[int, int, int] | None], int]:
         """``(grids, rope_delta)`` of a prompt whose placeholders were expanded for ``images``."""
@@ -281,22 +305,23 @@ class PromptBuilder:
         texts = [part for m in messages if m.role == "user" for part in _texts(m)]
         self._refuse_unless_fits(self.floor.tokens_at_least(texts), "the messages' text")
 
-    def _refuse_unless_fits(self, at_least: int, what: str) -> None:
+    def _refuse_unless_fits(self, at_least: int, what: str, param: str = "messages") -> None:
         if at_least >= self.context_length:   # not even one new token would fit
             raise ApiError.bad_request(
                 f"{what} needs at least {at_least} tokens; the model's context is {self.context_length} tokens",
-                "messages",
+                param,
                 "context_length_exceeded",
             )
 
-    def resolve_max_tokens(self, prompt_tokens: int, requested: int | None, default: int) -> int:
+    def resolve_max_tokens(self, prompt_tokens: int, requested: int | None, default: int,
+                           prompt_param: str = "messages") -> int:
         """The request's max new tokens; 400 when the prompt plus it does not fit the context."""
         room = self.context_length - prompt_tokens
         if requested is None:
             if room < 1:
                 raise ApiError.bad_request(
                     f"prompt of {prompt_tokens} tokens leaves no room in the model's context of {self.context_length}",
-                    "messages",
+                    prompt_param,
                     "context_length_exceeded",
                 )
             return min(default, room)

@@ -67,10 +67,6 @@ def _noop(*values: Any) -> NoOp:
 TOP_LEVEL: Mapping[str, NoOp] = {
     # OpenAI
     "n": _noop(1),
-    "logprobs": _noop(False),
-    "top_logprobs": _noop(0),
-    "presence_penalty": _noop(0),
-    "frequency_penalty": _noop(0),
     "logit_bias": _noop({}),
     "response_format": _noop({"type": "text"}),
     "tools": _noop([]),
@@ -90,15 +86,9 @@ TOP_LEVEL: Mapping[str, NoOp] = {
     "prompt_cache_key": _noop(str),           # hints for abuse monitoring and cache routing:
     "safety_identifier": _noop(str),          # ignoring them changes no output
     # vLLM extensions
-    "top_k": _noop(-1, 0),
-    "min_p": _noop(0),
-    "repetition_penalty": _noop(1),
     "length_penalty": _noop(1),
-    "min_tokens": _noop(0),
-    "stop_token_ids": _noop([]),
     "bad_words": _noop([]),
     "allowed_token_ids": _noop(),
-    "ignore_eos": _noop(False),
     "skip_special_tokens": _noop(True),
     "spaces_between_special_tokens": _noop(True),
     "include_stop_str_in_output": _noop(False),
@@ -129,6 +119,38 @@ TOP_LEVEL: Mapping[str, NoOp] = {
     "vllm_xargs": _noop(),
 }
 
+# /v1/completions: what its OpenAI and vLLM schemas add, accepted only at the no-op value
+COMPLETIONS: Mapping[str, NoOp] = {
+    "n": _noop(1),
+    "best_of": _noop(1),
+    "echo": _noop(False),
+    "suffix": _noop(),
+    "logit_bias": _noop({}),
+    "length_penalty": _noop(1),
+    "bad_words": _noop([]),
+    "allowed_token_ids": _noop(),
+    "skip_special_tokens": _noop(True),
+    "spaces_between_special_tokens": _noop(True),
+    "include_stop_str_in_output": _noop(False),
+    "use_beam_search": _noop(False),
+    "prompt_logprobs": _noop(),
+    "return_tokens_as_token_ids": _noop(False),
+    "truncate_prompt_tokens": _noop(),
+    "response_format": _noop({"type": "text"}),
+    "structured_outputs": _noop(),
+    "guided_json": _noop(),
+    "guided_regex": _noop(),
+    "guided_choice": _noop(),
+    "guided_grammar": _noop(),
+    "priority": _noop(0),
+    "request_id": _noop(),
+    "logits_processors": _noop(),
+    "kv_transfer_params": _noop(),
+    "vllm_xargs": _noop(),
+    "prompt_cache_key": _noop(str),
+    "safety_identifier": _noop(str),
+}
+
 MESSAGE: Mapping[str, NoOp] = {
     "name": _noop(),            # chat templates do not see it: refusing beats dropping it
     "refusal": _noop(),
@@ -142,7 +164,6 @@ MESSAGE: Mapping[str, NoOp] = {
 
 STREAM_OPTIONS: Mapping[str, NoOp] = {
     "include_obfuscation": _noop(False),
-    "continuous_usage_stats": _noop(False),
 }
 
 NONE: Mapping[str, NoOp] = {}

@@ -32,7 +32,8 @@ from runtime.worker.faults import FaultInjector
 from runtime.worker.internal_auth import bulk_preamble
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.transfer_state import TransferState, from_wire
-from runtime.worker.wire import payload_checksum
+from runtime.model.sampling import SampledToken
+from runtime.worker.wire import logprobs_to_pb, payload_checksum
 
 
 class TransferBroken(RuntimeError):
@@ -48,7 +49,7 @@ class FinalChunk:
     """What only the last chunk of a prompt carries."""
 
     total_chunks: int
-    first_token: int
+    first: SampledToken           # the first token, with its logprobs when the request asked for them
     prefill_ms: float             # the prompt's summed compute, for decode's first event
     rope_delta: int               # the prompt's (0 for 1-D families): decode checks it against the reservation
 
@@ -84,7 +85,10 @@ class ChunkFraming:
             payload_bytes=len(chunk.payload), checksum=payload_checksum(chunk.payload), last=chunk.final is not None,
         )
         if chunk.final is not None:
-            msg.total_chunks, msg.first_token = chunk.final.total_chunks, chunk.final.first_token
+            msg.total_chunks, msg.first_token = chunk.final.total_chunks, chunk.final.first.token_id
+            first_logprobs = logprobs_to_pb(chunk.final.first)
+            if first_logprobs is not None:
+                msg.first_logprobs.CopyFrom(first_logprobs)
             msg.token_digest, msg.model_fingerprint = self.token_digest, self.model_fingerprint
             msg.prefill_ms = chunk.final.prefill_ms
             msg.rope_delta = chunk.final.rope_delta

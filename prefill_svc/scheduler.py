@@ -27,7 +27,7 @@ import torch
 
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SamplingParams, sample_token
+from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
@@ -43,6 +43,7 @@ class PrefillJob:
     sampling: SamplingParams
     chunk_tokens: int
     sender: KVSender                 # frames and sends what this job's steps make ready
+    prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
     blocks: list[int] | None = None
     next_start: int = 0
     chunk_index: int = 0
@@ -140,7 +141,7 @@ class PrefillScheduler:
             job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
-                job.first_token = first
+                job.first_token = first.token_id
                 job.sender.finish()
                 self._finish(job, None)
 
@@ -149,8 +150,13 @@ class PrefillScheduler:
         logits = self.adapter.forward_packed(self.pool, items)
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
         payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
-        firsts = [None if l is None else sample_token(l, job.sampling, job.prompt_len) for l, (job, _, _) in zip(logits, spans)]
+        firsts = [None if l is None else self._sample_first(job, l) for l, (job, _, _) in zip(logits, spans)]
         return payloads, firsts
+
+    def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> SampledToken:
+        """The sequence's first token (no output yet), with its logprobs when asked for: they travel with it."""
+        ctx = SamplingContext(job.prompt_ids, (), self.adapter.eos_token_ids)
+        return sample(logits, job.sampling, ctx, job.prompt_len)
 
     def _finish(self, job: PrefillJob, error: BaseException | None) -> None:
         """Retire a job from the scheduler: scratch blocks back exactly once, future resolved once."""

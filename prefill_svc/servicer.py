@@ -75,6 +75,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         problem = self.rope_delta.invalid(expected_delta, "the request")
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            sampling = sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         if request.token_digest and request.token_digest != token_digest(token_ids, keys, grids, expected_delta):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "token digest does not match the token ids, image keys and grids, and rope delta")
@@ -109,8 +113,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                               bulk_address=bulk_address, bulk_token=self._token, timings=self.scheduler.timings,
                               framing=framing)
             job = PrefillJob(
-                request_id=request.request_id, prompt=prompt, sampling=sampling_from_pb(request.sampling),
+                request_id=request.request_id, prompt=prompt, sampling=sampling,
                 chunk_tokens=request.chunk_tokens or self.default_chunk_tokens, sender=sender,
+                prompt_ids=token_ids,
             )
             try:
                 self.scheduler.submit(job)

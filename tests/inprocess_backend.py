@@ -40,6 +40,7 @@ from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, Dead
 from runtime.demo_model.shapes import ShapeSample, draw_shape
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
+from runtime.model.sampling import SampledToken
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo-vlm"
@@ -124,17 +125,19 @@ class InProcessBackend:
             queued_s = time.monotonic()
             embeddings = await self._run(self.adapter.encode, [im.image for im in job.images]) if job.images else []
             encoded_s = time.monotonic()
-            token, rope_delta = await self._run(self._prefill, job, embeddings, blocks, owner)
+            sampled, rope_delta = await self._run(self._prefill, job, embeddings, blocks, owner)
             prefilled_s = time.monotonic()
             breakdown = {
                 "queue_ms": (queued_s - called_s) * 1e3,
                 "encode_ms": (encoded_s - queued_s) * 1e3,
                 "prefill_ms": (prefilled_s - encoded_s) * 1e3,
             }
-            produced, position = 1, len(job.token_ids)
+            produced, position, output = 1, len(job.token_ids), []
             while True:
+                token = sampled.token_id
                 finish = self._finish(token, produced, job)
-                yield TokenEvent([token], finish, breakdown)
+                output.append(token)
+                yield TokenEvent([token], finish, breakdown, [sampled] if sampled.logprob is not None else None)
                 breakdown = None
                 if finish is not None:
                     done = True
@@ -143,8 +146,8 @@ class InProcessBackend:
                     raise BackendFailure("decode worker lost (injected)")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                step = DecodeInput(token, position, blocks, job.sampling, rope_delta)
-                (token,) = await self._run(self.adapter.decode_step, self.pool, [step])
+                step = DecodeInput(token, position, blocks, job.sampling, rope_delta, job.token_ids, list(output))
+                (sampled,) = await self._run(self.adapter.decode_sample, self.pool, [step])
                 produced += 1
                 position += 1
         finally:
@@ -164,7 +167,7 @@ class InProcessBackend:
 
         return await asyncio.to_thread(locked)
 
-    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int], owner: int) -> tuple[int, int]:
+    def _prefill(self, job: ChatJob, embeddings: list[torch.Tensor], blocks: list[int], owner: int) -> tuple[SampledToken, int]:
         """The first token and the sequence's rope delta (what decode steps need: 0 for 1-D families)."""
         first = None
         for item in self.adapter.prefill(job.token_ids, embeddings, self.prefill_chunk, job.sampling):
@@ -176,10 +179,11 @@ class InProcessBackend:
             raise BackendFailure("prefill produced no token")
         if first.rope_delta != job.rope_delta:   # the gateway's position plan must be the model's
             raise BackendFailure(f"rope delta mismatch: the prompt's {first.rope_delta}, the job's {job.rope_delta}")
-        return first.token_id, first.rope_delta
+        return first.sampled, first.rope_delta
 
     def _finish(self, token: int, produced: int, job: ChatJob) -> str | None:
-        if token in self.adapter.eos_token_ids and not self.ignore_eos:
+        ignore_eos = self.ignore_eos or job.sampling.ignore_eos
+        if token in job.sampling.stop_token_ids or (token in self.adapter.eos_token_ids and not ignore_eos):
             return "stop"
         if produced >= job.max_tokens:
             return "length"

@@ -21,6 +21,7 @@ from decode_svc.reservations import ReservationTable
 from proto.epd.v1 import epd_pb2 as pb
 from prefill_svc.kv_sender import ChunkFraming, FinalChunk, KVSender, ReadyChunk
 from runtime.model.kv_pool import KVBlockPool, KVLayout
+from runtime.model.sampling import SampledToken
 from runtime.worker.faults import FaultInjector
 from runtime.worker.internal_auth import BULK_PREAMBLE_BYTES, bulk_preamble
 from runtime.worker.transfer_state import TransferState
@@ -75,7 +76,7 @@ def test_framed_chunks_are_what_the_decode_receiver_accepts():
     receiver = KVReceiver(table, pool)
     for i, (start, end) in enumerate(spans):
         payload = memoryview(kv[:, :, start:end].contiguous().view(torch.uint8).numpy()).cast("B")
-        final = FinalChunk(total_chunks=len(spans), first_token=42, prefill_ms=3.5, rope_delta=0) if end == 7 else None
+        final = FinalChunk(total_chunks=len(spans), first=SampledToken(42), prefill_ms=3.5, rope_delta=0) if end == 7 else None
         header = framing.header(ReadyChunk(i, start, end, payload, final))
         assert header.payload == b"" and header.payload_bytes == len(payload)   # the bytes travel beside it
         assert header.last == (final is not None)

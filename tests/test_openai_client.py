@@ -182,7 +182,7 @@ def test_unknown_and_unhonoured_fields_are_refused_naming_them(client, backend):
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"extra_body": {"top_k": 3}}, "top_k"),
+        ({"extra_body": {"best_of": 3}}, "best_of"),
         ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
             "url": data_url(image_bytes(shape(3).image)), "detail": "low"}}]}]}, "messages.0.content.0.image_url.detail"),

@@ -64,3 +64,19 @@ def test_top_p_is_compared_at_double_precision():
 def test_values_sampling_cannot_handle_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_every_sampling_field_and_the_logprobs_cross_the_wire_exactly():
+    from runtime.model.sampling import SampledToken, TokenLogprob
+    from runtime.worker.wire import logprobs_to_pb, sampled_from_pb
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=-5, top_k=-1, min_p=1e-300, presence_penalty=-2.0,
+                            frequency_penalty=1.999999, repetition_penalty=0.5, min_tokens=3, stop_token_ids=(7, 2),
+                            ignore_eos=True, logprobs=0)
+    assert sampling_from_pb(pb.SamplingParams.FromString(sampling_to_pb(params).SerializeToString())) == params
+    sampled = SampledToken(4, -0.25, (TokenLogprob(4, -0.25), TokenLogprob(9, float("-inf"))))
+    sent = pb.TokenLogprobs.FromString(logprobs_to_pb(sampled).SerializeToString())
+    assert sampled_from_pb(4, sent) == sampled
+    assert logprobs_to_pb(SampledToken(4)) is None and sampled_from_pb(4, None) == SampledToken(4)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sampling_from_pb(pb.SamplingParams(repetition_penalty=-1.0))

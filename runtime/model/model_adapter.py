@@ -34,7 +34,7 @@ from runtime.model.kv_pool import KVBlockPool, KVLayout
 from runtime.model.packed_batch import DeepStackShare, PackedItem, pack
 from runtime.model.paged_attention import PagedBatch
 from runtime.model.prepared_prompt import PreparedPrompt
-from runtime.model.sampling import SamplingParams, sample_token
+from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
 
 __all__ = ["DecodeInput", "DeepStackShare", "FirstToken", "KVChunk", "PackedItem", "PreparedPrompt", "VLMAdapter"]
 
@@ -57,6 +57,7 @@ class KVChunk:
 class FirstToken:
     token_id: int
     rope_delta: int = 0      # what decode needs for this sequence (M-RoPE; 0 for 1-D families)
+    sampled: SampledToken | None = None   # the token with its logprobs (when the sampling asked for them)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class DecodeInput:
     blocks: list[int]
     sampling: SamplingParams
     rope_delta: int | None = None   # M-RoPE: required (the prompt's delta); 1-D: None
+    prompt_ids: Sequence[int] = ()  # what the sampling reads of the sequence (penalties): the prompt's ids
+    output_ids: Sequence[int] = ()  # and the tokens emitted so far (``token_id`` included)
 
 
 class VLMAdapter:
@@ -248,16 +251,22 @@ class VLMAdapter:
                 end = min(n, start + chunk_size)
                 (logits,) = self.forward_packed(pool, [prompt.item(start, end, blocks)])
                 yield KVChunk(index, start, end, pool.read(blocks, start, end).clone())
-            yield FirstToken(sample_token(logits, sampling, n), prompt.rope_delta)
+            first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
+            yield FirstToken(first.token_id, prompt.rope_delta, first)
         finally:
             pool.free(blocks)
 
     def decode_step(self, pool: KVBlockPool, batch: Sequence[DecodeInput]) -> list[int]:
         """One token for every sequence in ``batch`` (any lengths), as one packed forward."""
+        return [s.token_id for s in self.decode_sample(pool, batch)]
+
+    def decode_sample(self, pool: KVBlockPool, batch: Sequence[DecodeInput]) -> list[SampledToken]:
+        """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
         embeds = self.embed_tokens([b.token_id for b in batch])
         items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items)
-        return [sample_token(l, b.sampling, b.position + 1) for l, b in zip(logits, batch)]
+        return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
+                for l, b in zip(logits, batch)]
 
 
 def model_fingerprint(path: Path, layout: KVLayout) -> str:

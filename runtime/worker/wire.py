@@ -11,7 +11,7 @@ import xxhash
 from proto.epd.v1 import epd_pb2 as pb
 
 from runtime.model import tensor_bytes
-from runtime.model.sampling import SamplingParams
+from runtime.model.sampling import SampledToken, SamplingParams, TokenLogprob
 
 # Explicit on both ends (the gRPC default of 4 MiB is too small for KV chunks).
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -37,20 +37,56 @@ def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
-    """Lossless: temperature and top_p are doubles on the wire, the seed an int64 (``SamplingParams``'s range)."""
-    msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p)
+    """Lossless: the floats are doubles on the wire, the seed an int64 (``SamplingParams``'s ranges)."""
+    msg = pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
     if s.seed is not None:
         msg.seed = s.seed
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """``sampling_from_pb(sampling_to_pb(p)) == p`` for every valid ``p``; an unset top_p (0) means 1."""
+    """``sampling_from_pb(sampling_to_pb(p)) == p`` for every valid ``p``; an unset top_p (0) means 1,
+    an unset repetition_penalty 1. Out-of-range values raise ``ValueError`` (``SamplingParams``)."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def logprobs_to_pb(s: SampledToken) -> pb.TokenLogprobs | None:
+    """A sampled token's logprobs (``None`` when the request asked for none)."""
+    if s.logprob is None:
+        return None
+    return pb.TokenLogprobs(logprob=s.logprob, top_ids=[e.token_id for e in s.top],
+                            top_logprobs=[e.logprob for e in s.top])
+
+
+def sampled_from_pb(token_id: int, msg: pb.TokenLogprobs | None) -> SampledToken:
+    """``token_id`` with the logprobs ``msg`` carries (none for ``None``)."""
+    if msg is None:
+        return SampledToken(token_id)
+    if len(msg.top_ids) != len(msg.top_logprobs):
+        raise ValueError(f"{len(msg.top_ids)} top ids for {len(msg.top_logprobs)} top logprobs")
+    top = tuple(TokenLogprob(int(i), float(v)) for i, v in zip(msg.top_ids, msg.top_logprobs))
+    return SampledToken(token_id, float(msg.logprob), top)
 
 
 def token_digest(token_ids: Sequence[int], image_keys: Sequence[str],

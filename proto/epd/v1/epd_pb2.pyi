@@ -17,14 +17,42 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("seed", "temperature", "top_p")
+    __slots__ = ("seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs")
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seed: int
     temperature: float
     top_p: float
-    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ...) -> None: ...
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
     __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens")
@@ -227,7 +255,7 @@ class RearmRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta")
+    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +275,7 @@ class KVChunk(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     chunk_index: int
@@ -266,7 +295,8 @@ class KVChunk(_message.Message):
     prefill_ms: float
     payload_bytes: int
     rope_delta: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ...) -> None: ...
+    first_logprobs: TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "rejected", "state", "detail")
@@ -321,18 +351,20 @@ class TransferMetric(_message.Message):
     def __init__(self, transfer_latency_s: _Optional[float] = ..., alloc_latency_s: _Optional[float] = ..., transfer_total_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms")
+    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     transfer: TransferMetric
     queue_ms: float
     first_step_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "reservation", "reason")
