@@ -25,6 +25,17 @@ a release clears it. Whoever writes into the blocks (chunk landing, the decode
 scheduler's steps) names the token it was given, and the pool refuses a write
 under a token that is no longer the blocks' — so no stale attempt, released
 reservation or expired lease can write into blocks that changed owner.
+
+Prefix cache (``runtime/model/kv_pool.py``): a reservation's block table is its ``shared``
+leading cached blocks (references taken by ``reserve`` when the caller asks to reuse its
+``prefix_keys``: a colocated prompt, whose decode worker then computes only the rest) and
+its own blocks (``owned``, allocated for everything else, evicting unreferenced cached
+blocks when needed: a reservation wins over the cache). The owner token and every fence
+cover the owned blocks only; nobody writes into shared ones. ``release`` drops the
+references and, given how many prompt tokens hold written KV (``cache_tokens``: the
+retiring sequence's), hands the full prompt blocks among the owned ones to the cache under
+their keys — only keys the decode worker recomputed from the prompt itself
+(``keys_verified``) — and frees the rest.
 """
 
 from __future__ import annotations
@@ -96,12 +107,26 @@ class Reservation:
     alloc_ms: float
     attempt: TransferAttempt     # the current generation; replaced by ``rearm``
     rope_delta: int = 0          # the sequence's M-RoPE offset, as reserved (0 for 1-D families)
+    prefix_keys: list[bytes] = field(default_factory=list)  # one per full prompt block (prefix_keys.py)
+    shared: int = 0              # leading blocks of ``blocks`` that are cached (referenced, never written)
+    keys_verified: bool = False  # the decode worker recomputed ``prefix_keys`` from the prompt: cacheable
+    block_size: int = 16
     created_at: float = field(default_factory=time.monotonic)
     _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
 
     @property
     def status(self) -> DecodeStatus:
         return self._status
+
+    @property
+    def owned(self) -> list[int]:
+        """The blocks this reservation allocated (its owner token's); the rest are shared cached ones."""
+        return self.blocks[self.shared:]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions whose KV is already in the shared blocks (computed by no one for this request)."""
+        return self.shared * self.block_size
 
     @property
     def generation(self) -> int:
@@ -160,19 +185,28 @@ class ReservationTable:
         blocks = self.pool.blocks_for(prompt_tokens + max_tokens)
         if blocks > self.pool.num_blocks:
             return Fit.NEVER
-        return Fit.NOW if blocks <= self.pool.free_blocks else Fit.NO_ROOM
+        return Fit.NOW if blocks <= self.pool.available_blocks else Fit.NO_ROOM
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
-                token_digest: str, model_fingerprint: str, rope_delta: int = 0) -> Reservation | None:
+                token_digest: str, model_fingerprint: str, rope_delta: int = 0, *,
+                prefix_keys: list[bytes] | None = None, reuse_prefix: bool = False) -> Reservation | None:
         """Allocate destination blocks now, or return ``None`` (nothing taken).
+
+        ``reuse_prefix``: start the block table with the cached blocks of the longest cached chain
+        of ``prefix_keys`` (at most ``(prompt_tokens - 1) // block_size``: the last prompt token is
+        always computed, for the first token's logits), and allocate only the rest.
 
         The lease ends at ``min(deadline_s, now + max_lease_s) + lease_margin_s``: a caller
         cannot hold blocks longer than the cap by sending a far-future deadline."""
         started = time.perf_counter()
+        keys = list(prefix_keys or [])[: prompt_tokens // self.pool.block_size]
+        shared = self.pool.acquire(keys[: (prompt_tokens - 1) // self.pool.block_size]) if reuse_prefix else []
         owner = self.pool.new_token()
-        blocks = self.pool.allocate(prompt_tokens + max_tokens, owner)
-        if blocks is None:
+        owned = self.pool.allocate_blocks(self.pool.blocks_for(prompt_tokens + max_tokens) - len(shared), owner)
+        if owned is None:
+            self.pool.unref(shared)
             return None
+        blocks = shared + owned
         lease_end = min(deadline_s, time.monotonic() + self.max_lease_s)
         res = Reservation(
             request_id=request_id,
@@ -186,6 +220,9 @@ class ReservationTable:
             alloc_ms=(time.perf_counter() - started) * 1000,
             attempt=TransferAttempt(generation=1, owner=owner),
             rope_delta=rope_delta,
+            prefix_keys=keys,
+            shared=len(shared),
+            block_size=self.pool.block_size,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -231,14 +268,17 @@ class ReservationTable:
             return None
         res.attempt.done.set()  # wake anyone waiting on the old attempt
         owner = self.pool.new_token()
-        self.pool.retag(res.blocks, res.attempt.owner, owner)   # the old generation's writes are fenced
+        self.pool.retag(res.owned, res.attempt.owner, owner)   # the old generation's writes are fenced
         res.attempt = TransferAttempt(generation=res.generation + 1, owner=owner)
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)
         res._status = DecodeStatus.RESERVED
         return res
 
-    def release(self, reservation_id: str, reason: str = "") -> bool:
-        """Free blocks and chunk bookkeeping exactly once. Returns whether this call freed them."""
+    def release(self, reservation_id: str, reason: str = "", cache_tokens: int = 0) -> bool:
+        """Free blocks and chunk bookkeeping exactly once. Returns whether this call freed them.
+
+        ``cache_tokens``: leading prompt positions whose KV is written (the retiring sequence's);
+        the full blocks among them with verified keys go to the prefix cache instead of FREE."""
         res = self._by_id.pop(reservation_id, None)
         if res is None:
             return False
@@ -248,14 +288,20 @@ class ReservationTable:
         res.attempt.received.clear()
         res.attempt.landing.clear()
         res.attempt.done.set()
-        self.pool.free(res.blocks, owner=res.attempt.owner)
+        keep = min(cache_tokens // self.pool.block_size, len(res.prefix_keys)) if res.keys_verified else 0
+        keep = max(keep, res.shared)
+        owned, owner = res.owned, res.attempt.owner
+        self.pool.check_owner(owned, owner, "free")      # nothing changes on a mismatch
+        self.pool.cache(res.blocks[res.shared: keep], res.prefix_keys[res.shared: keep], owner)
+        self.pool.free(res.blocks[keep:], owner=owner)
+        self.pool.unref(res.blocks[: res.shared])
         return True
 
-    def release_lease(self, lease: Lease, reason: str = "") -> bool:
+    def release_lease(self, lease: Lease, reason: str = "", cache_tokens: int = 0) -> bool:
         """``release`` only if ``lease`` is still the reservation's live generation: a holder of a
         stale lease never frees blocks that a later generation (or another request) holds."""
         res = self._by_id.get(lease.reservation_id)
-        return res is not None and res.holds(lease) and self.release(lease.reservation_id, reason)
+        return res is not None and res.holds(lease) and self.release(lease.reservation_id, reason, cache_tokens)
 
     def release_all(self, reason: str) -> int:
         """Release every reservation (the worker is stopping); returns how many this call freed."""

@@ -27,6 +27,12 @@ started for. Joining the batch and every step (on the event loop, right before t
 forward is dispatched) check that the pool's blocks still carry that lease's owner
 token; a sequence whose lease is gone (released, re-armed or expired under it) is
 retired FINISHED_ABORTED and never written — whatever path forgot to stop it.
+
+Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
+reservation holds references on them; the lease check covers the rest). A colocated
+sequence whose reservation reused a cached prefix starts prefilling at ``prefilled =
+cached tokens``. ``kv_written`` is how many leading positions hold KV that completed
+steps wrote (what its retirement may hand to the cache).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Sequence:
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
+    shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -90,6 +97,11 @@ class Sequence:
     @property
     def reservation_id(self) -> str:
         return self.lease.reservation_id
+
+    @property
+    def kv_written(self) -> int:
+        """Leading positions whose KV completed steps (or the verified transfer) wrote."""
+        return self.prompt_len + len(self.output) - 1 if self.output else self.prefilled
 
     @property
     def next_position(self) -> int:
@@ -125,6 +137,7 @@ class DecodeScheduler:
         """A verified handoff joins the batch; its first token (from prefill, with its logprobs) is emitted now."""
         if self._lease_lost(seq) or not self._start_grammar(seq):
             return
+        seq.prefilled = seq.prompt_len      # the whole prompt's KV is in its blocks (verified, or prefilled here)
         if self._accept(seq, first):
             seq._status = DecodeStatus.RUNNING
             self._running.append(seq)
@@ -219,7 +232,7 @@ class DecodeScheduler:
 
     def _lease_lost(self, seq: Sequence) -> bool:
         """Retire ``seq`` (FINISHED_ABORTED) if its blocks no longer carry its lease's owner token."""
-        if self.pool.owns(seq.blocks, seq.lease.owner):
+        if self.pool.owns(seq.blocks[seq.shared:], seq.lease.owner):
             return False
         log.error("sequence %s lost its reservation %s (generation %d); retired unwritten",
                   seq.request_id, seq.reservation_id, seq.lease.generation)

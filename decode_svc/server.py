@@ -19,7 +19,7 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer:
     """The KV pool, the servicer (reservations, receiver, scheduler, lease reaper) and the bulk KV path."""
-    pool = kv_pool_for(adapter, settings)
+    pool = kv_pool_for(adapter, settings, prefix_cache=settings.prefix_cache)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,
                               prefill_chunk_tokens=settings.prefill_chunk_tokens, lease_margin_s=settings.lease_margin_s,
                               max_lease_s=settings.max_lease_s, faults=FaultInjector(settings.faults))
@@ -30,7 +30,8 @@ async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer
         port = await bulk.start(settings.host, settings.bulk_port)
         servicer.add_bulk_path(settings.advertised_address("decode", port), bulk.stop)
         log.info("bulk KV path on %s", servicer.bulk_address)
-    log.info("decode KV pool: %d blocks of %d tokens (%s)", pool.num_blocks, pool.block_size, adapter.kv_layout.describe())
+    log.info("decode KV pool: %d blocks of %d tokens (%s), prefix cache %s", pool.num_blocks, pool.block_size,
+             adapter.kv_layout.describe(), "on" if pool.prefix_cache else "off")
     return servicer
 
 

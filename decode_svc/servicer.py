@@ -34,6 +34,13 @@ The rope delta (``runtime/worker/rope_delta.py``): ``Reserve`` records the gatew
 M-RoPE model refuses a Reserve without one); before insertion it must equal the delta of
 the prompt that made the KV: the final chunk's (``kv_receiver.py``), or, colocated, the
 delta of the prompt this worker prepared itself. The sequence then decodes with it.
+
+The prefix cache (``prefix_match.py``, ``reservations.py``): ``Reserve`` counts the lookup and,
+for a colocated request (``reuse_prefix``), starts the reservation with the cached blocks of
+its keys' longest cached chain; ``Generate`` recomputes the keys from the prompt it carries
+and refuses a reuse whose keys are not the prompt's (FAILED_PRECONDITION) before any forward;
+a verified sequence that retires STOPPED, LENGTH or CANCELLED hands its written full prompt
+blocks to the cache.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 
@@ -50,6 +58,7 @@ from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError, checked
 from runtime.model.errors import AdapterInputError
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
+from runtime.model.prefix_keys import summary_id
 from runtime.worker.faults import FaultInjector
 from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
@@ -60,6 +69,7 @@ from runtime.worker.transfer_state import TransferState
 from runtime.worker.wire import logprobs_to_pb, ref_grids, sampled_from_pb, sampling_from_pb, token_digest
 
 from .kv_receiver import KVReceiver, StreamTally
+from .prefix_match import PrefixCacheCounters, needed_images, request_keys, spans_of, with_stand_ins
 from .request_status import DecodeStatus, finish_reason
 from .reservations import AttachRefused, Fit, Lease, Reservation, ReservationTable
 from .scheduler import DecodeScheduler, Sequence
@@ -92,12 +102,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.faults = faults or FaultInjector("")
         self.timings = TimingLog()
         self.table = ReservationTable(pool, lease_margin_s, max_lease_s)
+        self.prefix = PrefixCacheCounters()
         self.rope_delta = RopeDeltaRule(adapter.family.position_kind)
         self.receiver = KVReceiver(self.table, pool, self.rope_delta)
         self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
         self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel)
+        self._boot = uuid.uuid4().hex[:12]   # a restarted worker's summary is a new one (its cache is gone)
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self._reaper: asyncio.Task | None = None
         self._on_stop: list = []
@@ -125,7 +137,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return bool(self.table.active or self.scheduler.busy)
 
     def _on_retire(self, seq: Sequence) -> None:
-        self.table.release_lease(seq.lease, finish_reason(seq.status) or "retired")
+        # KV written by completed steps is good on these ends; a failed step or a lost lease caches nothing
+        good = seq.status in (DecodeStatus.FINISHED_STOPPED, DecodeStatus.FINISHED_LENGTH, DecodeStatus.FINISHED_CANCELLED)
+        self.table.release_lease(seq.lease, finish_reason(seq.status) or "retired", seq.kv_written if good else 0)
 
     async def _reap_leases(self) -> None:
         while True:
@@ -149,21 +163,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         fit = self.table.can_reserve(request.prompt_tokens, request.max_tokens)
         if fit is Fit.NEVER:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tokens} tokens can never fit this worker's KV pool")
+        keys = list(request.prefix_keys) if self.pool.prefix_cache else []
         # the commit right after its check, no await between: it takes the blocks the check saw free
         with span("decode.reserve", **{"epd.request_id": request.request_id, "epd.tokens": tokens}):
             res = self.table.reserve(
                 request.request_id, request.prompt_tokens, request.max_tokens,
                 unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
-                request.model_fingerprint or self.adapter.model_fingerprint, rope_delta) if fit is Fit.NOW else None
+                request.model_fingerprint or self.adapter.model_fingerprint, rope_delta,
+                prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys)) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room for {tokens} tokens ({self.pool.free_blocks} free blocks)")
+                                f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks)")
+        if self.pool.prefix_cache:
+            self.prefix.count(request.prompt_tokens, res.cached_tokens)
         return self._reserve_response(res)
 
     def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
         return pb.ReserveResponse(
             reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
-            blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address)
+            blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address,
+            cached_tokens=res.cached_tokens)
 
     async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:
         res = self.table.rearm(request.reservation.reservation_id)
@@ -203,11 +222,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         arrived = time.monotonic()
         seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
                        min(request.max_tokens or res.max_tokens, res.max_tokens), sampling,
-                       rope_delta=res.rope_delta, prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [])   # the transfer or the colocated prompt must agree before insertion
+                       rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
+                       prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [], shared=res.shared)
         keep_reservation = False
         try:
             annotate(**{"epd.request_id": request.request_id,
                         "epd.placement": "colocated" if request.colocated else "disaggregated"})
+            problem = self._check_prefix_keys(request, res)
+            if problem:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             if request.colocated:
                 with span("decode.colocated_prefill", **{"epd.request_id": request.request_id}):
                     await self._start_colocated(request, res, lease, seq, deadline, context)
@@ -247,6 +270,29 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 self.scheduler.cancel(seq)           # retire callback releases
             elif not seq.status.is_finished and not keep_reservation:
                 self.table.release_lease(lease, "generate ended before insertion")
+
+    def _check_prefix_keys(self, request: pb.GenerateRequest, res: Reservation) -> str | None:
+        """Mark the reservation's keys verified when the prompt the request carries gives them (and
+        its digest is the reservation's); the refusal when a reused prefix cannot be verified."""
+        if res.shared and not request.colocated:
+            return "a reservation that reuses cached KV runs its prompt here (colocated) only"
+        if not res.prefix_keys or not request.token_ids:
+            return "a reused cached prefix needs the prompt to check its keys" if res.shared else None
+        ids = list(request.token_ids)
+        keys, grids = [im.cache_key for im in request.images], ref_grids(request.images)
+        try:
+            ours = request_keys(self.adapter, ids, request.images, request.cache_salt, self.pool.block_size)
+        except ValueError as exc:
+            ours, detail = [], str(exc)
+        else:
+            detail = "the prompt's prefix keys are not the reservation's"
+        if token_digest(ids, keys, grids, res.rope_delta) != res.token_digest:
+            ours, detail = [], "prompt does not match the reservation's digest"
+        if ours[: len(res.prefix_keys)] == res.prefix_keys:
+            res.keys_verified = True
+            return None
+        log.warning("request %s: %s; nothing of it is cached", request.request_id, detail)
+        return detail if res.shared else None
 
     async def _await_transfer(self, res: Reservation, lease: Lease, deadline: float,
                               request_id: str = "") -> tuple[grpc.StatusCode, str, bool] | None:
@@ -290,8 +336,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys, grids, res.rope_delta) != res.token_digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
         try:
-            fetched = await self.fetcher.fetch(request.request_id, request.images, deadline - time.monotonic())
-            embeddings = checked_embeddings(self.adapter.embeddings, request.images, fetched)
+            embeddings = await self._fetch_uncached(request, res, deadline)
         except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/worker/rpc_failure.py
             await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                              f"embedding fetch failed: {exc}")
@@ -306,7 +351,21 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         if not self.table.mark_inserted(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while embedding the prompt")
+        seq.prefilled = res.cached_tokens      # the shared blocks hold these positions' KV
         self.scheduler.insert_colocated(seq, prompt, chunk_tokens=request.chunk_tokens or None)
+
+    async def _fetch_uncached(self, request: pb.GenerateRequest, res: Reservation, deadline: float) -> list:
+        """The prompt's image records: fetched for every image with placeholders past the cached
+        prefix, zero stand-ins for the rest (``prefix_match.with_stand_ins``)."""
+        refs = list(request.images)
+        if not res.shared:
+            fetched = await self.fetcher.fetch(request.request_id, refs, deadline - time.monotonic())
+            return checked_embeddings(self.adapter.embeddings, refs, fetched)
+        spans = spans_of(self.adapter, list(request.token_ids), refs)   # checked with the keys already
+        need = needed_images(spans, res.cached_tokens)
+        fetched = await self.fetcher.fetch(request.request_id, [refs[k] for k in need], deadline - time.monotonic())
+        records = checked_embeddings(self.adapter.embeddings, [refs[k] for k in need], fetched)
+        return with_stand_ins(self.adapter, spans, dict(zip(need, records)))
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
         """The first event's account of the handoff: the transfer as decode saw it (first chunk
@@ -328,17 +387,25 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,
-                "free_blocks": self.pool.free_blocks, "total_blocks": self.pool.num_blocks,
-                "running_seqs": self.scheduler.running_seqs,
+                "free_blocks": self.pool.available_blocks, "total_blocks": self.pool.num_blocks,
+                "cached_blocks": self.pool.cached_blocks,
+                "prefix_cache_queries_total": self.prefix.queries_total,
+                "prefix_cache_hits_total": self.prefix.hits_total, "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        version = f"{self._boot}:{self.pool.cache_version}"
+        send = request.prefix_summary_version != version
         return self.state.stats(
             request,
             queue_depth=self.scheduler.prefilling_seqs + self.table.waiting,
             in_flight=self.table.active, running_seqs=self.scheduler.running_seqs,
-            free_blocks=self.pool.free_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            free_blocks=self.pool.available_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            cached_blocks=self.pool.cached_blocks, prefix_cache=self.pool.prefix_cache,
+            prefix_cache_queries_total=self.prefix.queries_total, prefix_cache_hits_total=self.prefix.hits_total,
+            prefix_summary_version=version, prefix_summary_sent=send,
+            prefix_summary=[summary_id(k) for k in self.pool.summary()] if send else [],
             reservations_active=self.table.active, pending_chunks=self.table.pending_chunks,
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             max_batch=self.scheduler.max_observed_batch, max_batch_configured=self.scheduler.max_batch,

@@ -29,6 +29,7 @@ from runtime.policy.worker_stats import Role, StatsSnapshot, WorkerReport, stage
 
 from . import pipeline_metrics as m
 from .chat_backend import AdmissionRefused
+from .prefix_routing import PrefixView
 from .pressure import FirstTokenPressure
 from .settings import GatewaySettings
 from .worker_registry import ROLES, WorkerRegistry
@@ -40,14 +41,17 @@ CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_
                          encode_cache_hit_ms=0.5)
 
 
-def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int) -> WorkerReport:
-    """One worker's ``WorkerStats`` (and this gateway's requests on it) as the policy reads it."""
+def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int, *, cached_prefix_tokens: int = 0,
+                  cached_images: int = 0) -> WorkerReport:
+    """One worker's ``WorkerStats`` (and this gateway's requests on it) as the policy reads it; a decode
+    worker's ``cached_prefix_tokens`` / ``cached_images`` of this request come from its prefix summary."""
     decode = role == Role.DECODE
     return WorkerReport(
         role=Role(role), address=address, running_seqs=stats.running_seqs, queue_depth=stats.queue_depth,
         queued_prefill_tokens=stats.queued_prefill_tokens, free_blocks=stats.free_blocks if decode else None,
         total_blocks=stats.total_blocks, block_size=max(1, stats.block_size),
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),
+        cached_prefix_tokens=cached_prefix_tokens if decode else 0, cached_images=cached_images if decode else 0,
     )
 
 
@@ -96,24 +100,33 @@ class GatewayAdmission:
         elif s.kind == "encode":
             self.cost_model.observe_encode(int(s.size), s.ms)
 
-    def snapshot(self, registry: WorkerRegistry) -> StatsSnapshot:
-        """Every healthy worker's last stats, with this gateway's requests on it and on the link."""
-        workers = tuple(worker_report(role, h.address, h.stats, h.inflight)
-                        for role in ROLES for h in registry.healthy(role) if h.stats is not None)
-        return StatsSnapshot(workers, self.kv_transfers, self.kv_bytes)
+    def snapshot(self, registry: WorkerRegistry, prefix: PrefixView | None = None) -> StatsSnapshot:
+        """Every healthy worker's last stats, with this gateway's requests on it and on the link, and
+        (``prefix``) how much of this request's prompt each decode worker holds cached."""
+        workers = []
+        for role in ROLES:
+            for h in registry.healthy(role):
+                if h.stats is None:
+                    continue
+                cached = prefix.cached_tokens(h.address) if prefix is not None and role == "decode" else 0
+                workers.append(worker_report(role, h.address, h.stats, h.inflight, cached_prefix_tokens=cached,
+                                             cached_images=prefix.images_within(cached) if cached else 0))
+        return StatsSnapshot(tuple(workers), self.kv_transfers, self.kv_bytes)
 
-    def loads(self, shape: RequestShape, registry: WorkerRegistry, *, own_transfer: bool = False) -> StageLoads:
+    def loads(self, shape: RequestShape, registry: WorkerRegistry, *, own_transfer: bool = False,
+              prefix: PrefixView | None = None) -> StageLoads:
         """The policy's inputs now; ``own_transfer``: the request's own transfer is one of the link's
         (a failed one being re-priced), so it is left out."""
-        snap = self.snapshot(registry)
+        snap = self.snapshot(registry, prefix)
         if own_transfer:
             snap = snap.less_transfer(self.cost_model.kv_bytes(shape.prompt_tokens))
         return stage_loads(snap, shape, self.cost_model)
 
-    def admit(self, shape: RequestShape, registry: WorkerRegistry, remaining_ms: float, itl_slo_ms: float) -> Admission:
+    def admit(self, shape: RequestShape, registry: WorkerRegistry, remaining_ms: float, itl_slo_ms: float,
+              prefix: PrefixView | None = None) -> Admission:
         """The policy's verdict for ``shape`` with ``remaining_ms`` to its TTFT deadline (side-effect free)."""
         chunk = self.settings.prefill_chunk_tokens
-        return admit(shape, self.loads(shape, registry), self.cost_model, self.settings.placement, remaining_ms,
+        return admit(shape, self.loads(shape, registry, prefix=prefix), self.cost_model, self.settings.placement, remaining_ms,
                      itl_slo_ms, pressure=self.pressure.inputs(), transfer_chunk_tokens=chunk, local_chunk_tokens=chunk)
 
     @staticmethod

@@ -105,13 +105,15 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
     request = pb.GenerateRequest(request_id=job.request_id, reservation=reservation, max_tokens=job.max_tokens,
                                  sampling=sampling_to_pb(job.sampling),
                                  deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s))
+    # the prompt travels either way: colocated, decode prefills it; disaggregated, decode checks
+    # the prefix keys it caches the prompt's blocks under against it (and sampling that reads the
+    # prompt's ids, repetition_penalty, reads them)
+    request.token_ids.extend(job.token_ids)
+    request.images.extend(refs)
+    request.cache_salt = job.cache_salt
     if colocated:
         request.colocated = True
-        request.token_ids.extend(job.token_ids)
-        request.images.extend(refs)
         request.chunk_tokens = chunk_tokens
-    elif job.sampling.needs_prompt_ids:   # decode's sampling reads the prompt (repetition_penalty)
-        request.token_ids.extend(job.token_ids)
     started = time.monotonic()
     stream = decode.stub.Generate(request, timeout=e2e_timeout)
     call = None

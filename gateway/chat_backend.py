@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from PIL import Image
 
@@ -58,6 +58,11 @@ class ChatJob:
     # what the backend decided, for the request's log line and the dashboard (gateway/request_journal.py)
     placement: str = ""
     placement_reason: str = ""
+    # prefix-cache keys (runtime/model/prefix_keys.py): each image's placeholder count, and the
+    # M-RoPE plan's [3, T] positions (None for 1-D families)
+    image_tokens: list[int] = field(default_factory=list)
+    positions: Any = None
+    image_token_id: int = -1     # the placeholder token id (-1: unknown, no prefix-cache keys with images)
 
 
 @dataclass(slots=True)

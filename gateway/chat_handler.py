@@ -210,6 +210,9 @@ class ChatHandler:
             cache_salt=effective_cache_salt(chat.cache_salt, request_tenant(request), self.settings.cache_salt_per_api_key),
             image_grids=prompt.image_grids,
             rope_delta=prompt.rope_delta,
+            image_tokens=prompt.image_tokens,
+            positions=prompt.positions,
+            image_token_id=self.prompts.placeholder_id,
         )
 
     # -- steps 6-7 ----------------------------------------------------------------------

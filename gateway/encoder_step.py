@@ -72,29 +72,38 @@ class EncoderStep:
             if c:
                 m.ENCODER_CACHE_CHECKS.labels(str(k in found).lower()).inc()
         grids = job.image_grids or [None] * len(keys)
-        refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt, grid_thw=g or ())
-                for k, g in zip(keys, grids)]
+        counts = job.image_tokens if len(job.image_tokens) == len(keys) else [0] * len(keys)
+        refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt, grid_thw=g or (),
+                            placeholder_tokens=n)
+                for k, g, n in zip(keys, grids, counts)]
         return ImagePlan(keys, refs, checked, [k in found for k in keys], encoder)
 
-    async def encode(self, job: ChatJob, plan: ImagePlan, breakdown: dict[str, float]) -> None:
-        """Encode what is not known cached (the encoder writes the cache); record it in ``breakdown``."""
+    async def encode(self, job: ChatJob, plan: ImagePlan, breakdown: dict[str, float],
+                     skip: frozenset[int] | set[int] = frozenset()) -> None:
+        """Encode what is not known cached (the encoder writes the cache); record it in ``breakdown``.
+        ``skip``: images a colocated decode worker holds as cached KV already (not encoded; counted
+        as ``images_prefix_cached``)."""
         if not plan.refs:
             return
-        if not plan.needs_encode:
-            breakdown["encode_ms"] = 0.0
-            breakdown["images_cache_hit"] = float(len(plan.refs))
+        if skip:
+            breakdown["images_prefix_cached"] = breakdown.get("images_prefix_cached", 0.0) + len(skip)
+        todo = [i for i in range(len(plan.refs)) if i not in skip]
+        if not todo or all(plan.cached[i] for i in todo):
+            breakdown["encode_ms"] = breakdown.get("encode_ms", 0.0)
+            breakdown["images_cache_hit"] = breakdown.get("images_cache_hit", 0.0) + float(len(todo))
             return
         t0 = time.monotonic()
-        images = [pb.EncodeImage(ref=ref, data=im.data) for ref, im in zip(plan.refs, job.images)]
+        refs = [plan.refs[i] for i in todo]
+        images = [pb.EncodeImage(ref=plan.refs[i], data=job.images[i].data) for i in todo]
         resp = await self.rpc.encode(plan.encoder, job, images)
-        for ref, image in zip(plan.refs, resp.images):
+        for ref, image in zip(refs, resp.images):
             if list(ref.grid_thw) != list(image.grid_thw):   # this gateway's processor is not the encoder's
                 raise BackendFailure(f"encoder {plan.encoder.address} made image {ref.cache_key[:12]} a grid "
                                      f"{list(image.grid_thw)}, this gateway's processor {list(ref.grid_thw)}: "
                                      "their image processor settings differ", 503)
-        breakdown["encode_ms"] = (time.monotonic() - t0) * 1000
-        breakdown["images_cache_hit"] = float(sum(i.cache_hit for i in resp.images))
-        for was_checked, image in zip(plan.checked, resp.images):
-            if not was_checked:
+        breakdown["encode_ms"] = breakdown.get("encode_ms", 0.0) + (time.monotonic() - t0) * 1000
+        breakdown["images_cache_hit"] = breakdown.get("images_cache_hit", 0.0) + float(sum(i.cache_hit for i in resp.images))
+        for i, image in zip(todo, resp.images):
+            if not plan.checked[i]:
                 m.ENCODER_CACHE_CHECKS.labels(str(bool(image.cache_hit)).lower()).inc()
-        self.seen_images.add(plan.keys)
+        self.seen_images.add([plan.keys[i] for i in todo])

@@ -9,6 +9,11 @@ States (``HandoffState``), in order; a failure raises out of any of them::
 
 RESERVING   ``Reserve`` on the chosen decode worker; when that fails because the worker is
             gone (nothing was sent anywhere yet), once more on the least loaded other one.
+            Every Reserve names the prompt's prefix-cache keys for that worker
+            (``gateway/prefix_routing.py``); a colocated one asks to reuse its cached blocks,
+            and the reply's ``cached_tokens`` (in the TTFT breakdown) is what it reused. An image
+            that was not encoded because the prefix was expected cached, but that the
+            reservation did not get, is encoded now (``encode_images``).
 ATTEMPTING  ``run_attempt`` (``gateway/attempt.py``): FIRST_TOKEN -> STREAMING, any other
             outcome -> RECOVERING.
 RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure policy and carry
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import IntEnum
 
 import grpc
@@ -44,6 +49,8 @@ from runtime.worker.wire import sampled_from_pb
 from . import pipeline_metrics as m
 from .attempt import AttemptOutcome, AttemptResult, record_first_event, run_attempt
 from .chat_backend import BackendFailure, ChatJob, DeadlineExceeded, TokenEvent
+from .prefix_routing import PrefixView
+from runtime.model.prefix_keys import summary_id
 from .recovery import Failure, RecoveryPlan, Step, choose_action, least_loaded_decode, plan_recovery
 from .worker_registry import WorkerHandle, WorkerRegistry
 from .worker_rpc import WorkerRpc
@@ -66,8 +73,13 @@ class HandoffState(IntEnum):
 class Handoff:
     def __init__(self, job: ChatJob, shape: RequestShape, decision: PlacementDecision, refs: list[pb.ImageRef],
                  digest: str, breakdown: dict[str, float], *, registry: WorkerRegistry, rpc: WorkerRpc,
-                 cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int):
+                 cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int,
+                 prefix: PrefixView | None = None, skipped: frozenset[int] = frozenset(),
+                 encode_images: Callable[[set[int]], Awaitable[None]] | None = None):
         self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
+        self.prefix = prefix                  # the prompt's prefix-cache keys per decode worker
+        self.skipped = set(skipped)           # images not encoded: expected in the colocated worker's cache
+        self.encode_images = encode_images
         self.registry, self.rpc, self.cost_model, self.chunk_tokens = registry, rpc, cost_model, chunk_tokens
         self.loads = loads   # the policy's inputs now (gateway/admission.py), for the failure policy
         decode = registry.get("decode", decision.decode_worker)
@@ -102,14 +114,28 @@ class Handoff:
     # -- states --------------------------------------------------------------------
     async def _reserve(self) -> None:
         try:
-            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+            await self._reserve_on_decode()
         except BackendFailure:
             moved = await self._replacement_decode()
             if moved is None:
                 raise
             self._move_to(moved)
-            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+            await self._reserve_on_decode()
         self.state = HandoffState.ATTEMPTING
+
+    async def _reserve_on_decode(self) -> None:
+        """Reserve on ``self.decode`` (reusing its cached prefix when colocated), then encode any
+        skipped image whose placeholders the reused prefix does not cover."""
+        keys = self.prefix.keys_for(self.decode) if self.prefix is not None else []
+        resp = await self.rpc.reserve(self.decode, self.job, self.digest, keys, reuse_prefix=self.prefill is None)
+        self.reservation = resp.reservation
+        self.breakdown["cached_tokens"] = float(resp.cached_tokens)
+        if self.skipped and self.prefix is not None:
+            cached = resp.cached_tokens if self.prefill is None else 0
+            missing = self.skipped & set(self.prefix.images_needed(cached))
+            if missing and self.encode_images is not None:
+                await self.encode_images(missing)
+                self.skipped -= missing
 
     async def _attempt(self) -> None:
         self.result = None
@@ -156,7 +182,7 @@ class Handoff:
         self.prefill = plan.prefill
         if plan.step is Step.OTHER_DECODE:
             self._move_to(plan.decode)
-            self.reservation = await self.rpc.reserve(self.decode, self.job, self.digest)
+            await self._reserve_on_decode()
         else:
             self.reservation = await self.rpc.rearm(self.decode, self.reservation, self.job)  # blocks kept
             result.close_stream()   # only now: the old Generate ending first would free the blocks
@@ -180,6 +206,12 @@ class Handoff:
 
     # -- helpers -------------------------------------------------------------------
     async def _close(self) -> None:
+        if self.state is HandoffState.FINISHED and self.prefix is not None:
+            # decode retired the sequence and cached its full prompt blocks before its last event:
+            # the summary knows it now, before the next poll brings the worker's own
+            keys = self.prefix.keys_for(self.decode)
+            if keys:
+                self.decode.prefix_summary = self.decode.prefix_summary | {summary_id(k) for k in keys}
         if self.reservation is not None:
             await self.rpc.release(self.decode, self.reservation, self.job, "request ended")
             self.reservation = None

@@ -26,7 +26,9 @@ streams are ``gateway/attempt.py``.
 
 The first event's ``ttft_breakdown`` (milliseconds unless named otherwise): here
 ``gateway_queue_ms``, ``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms``; from the encoder
-step ``encode_ms`` and ``images_cache_hit`` (a count); from decode's first event
+step ``encode_ms``, ``images_cache_hit`` and ``images_prefix_cached`` (counts: images not
+encoded because the colocated decode worker holds their KV); ``cached_tokens``, the prompt
+tokens the decode worker's prefix cache served (its Reserve reply); from decode's first event
 (``attempt.record_first_event``) ``prefill_ms``, ``transfer_ms``, ``transfer_bytes`` (bytes)
 when disaggregated, ``colocated_prefill_ms`` when colocated, ``decode_wait_ms`` and
 ``pipeline_ms`` (the attempt's streams opened to its first event).
@@ -48,6 +50,7 @@ from .chat_backend import AdmissionRefused, ChatJob, TokenEvent
 from .encoder_step import EncoderStep
 from .fit_check import MeasuredTimings
 from .handoff import Handoff
+from .prefix_routing import PrefixView
 from .seen_images import SeenImages
 from .settings import GatewaySettings
 from .worker_registry import WorkerRegistry
@@ -117,11 +120,12 @@ class Orchestrator:
         annotate(**rid)
         with span("gateway.cache_check", **rid, **{"epd.images": len(job.images)}):
             images = await self.encoder_step.plan(job)
+        prefix = PrefixView.of(job, images.keys, self.registry.healthy("decode"))
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                              n_images=len(job.images), n_images_cached=images.n_cached)
         with span("gateway.admission", **rid, **{"epd.remaining_ms": remaining_ms}) as s:
-            admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms)
+            admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms, prefix)
             if s is not None:
                 s.set_attribute("epd.admitted", admission.ok)
                 s.set_attribute("epd.reason", admission.reason or "")
@@ -135,14 +139,23 @@ class Orchestrator:
         annotate(**{"epd.placement": decision.placement, "epd.placement_reason": decision.reason})
         first = True
         try:
-            with span("gateway.encode", **rid, **{"epd.images": len(job.images), "epd.images_cached": images.n_cached}):
-                await self.encoder_step.encode(job, images, breakdown)
             colocated = decision.placement == "colocated"
+            # colocated on a worker that holds a prefix: the images wholly inside it are not encoded
+            expected = prefix.cached_tokens(decision.decode_worker) if colocated else 0
+            skipped = frozenset(range(len(images.refs))) - set(prefix.images_needed(expected)) if expected else frozenset()
+            with span("gateway.encode", **rid, **{"epd.images": len(job.images) - len(skipped),
+                                                  "epd.images_cached": images.n_cached}):
+                await self.encoder_step.encode(job, images, breakdown, skip=skipped)
+
+            async def encode_images(needed: set[int]) -> None:
+                await self.encoder_step.encode(job, images, breakdown, skip=set(range(len(images.refs))) - needed)
+
             digest = token_digest(job.token_ids, images.keys, job.image_grids, job.rope_delta)
             handoff = Handoff(job, shape, decision, images.refs, digest, breakdown,
                               registry=self.registry, rpc=self.rpc, cost_model=self.admission.cost_model,
                               loads=lambda: self.admission.loads(shape, self.registry, own_transfer=not colocated),
-                              chunk_tokens=self.chunk_tokens)
+                              chunk_tokens=self.chunk_tokens, prefix=prefix, skipped=skipped,
+                              encode_images=encode_images)
             # aclosing: when the consumer closes us (disconnect, stop string), the handoff's
             # finally (release the reservation) runs now, not whenever the generator is collected
             async with contextlib.aclosing(handoff.events()) as events:

@@ -1,5 +1,5 @@
 """Prometheus metrics of the pipeline behind the HTTP layer: admission, placement, KV handoffs,
-failure actions, image cache checks, stage queue depths.
+failure actions, image cache checks, stage queue depths, decode prefix-cache lookups.
 
 They live in prometheus_client's process-wide ``REGISTRY`` (one pipeline per gateway process),
 which ``/metrics`` renders after the app's own HTTP metrics (``gateway.http_metrics``).
@@ -22,3 +22,6 @@ HEALTHY_WORKERS = Gauge("epd:healthy_workers", "Workers of each stage that answe
 COST_FIT_MS = Gauge("epd:cost_model_fit_ms", "The cost model's fit at the last minute's measured sizes, mean ms "
                     "(beside epd:cost_model_measured_ms)", ["kind"])
 COST_MEASURED_MS = Gauge("epd:cost_model_measured_ms", "What the workers measured over the last minute, mean ms", ["kind"])
+# in tokens, as each decode worker's Reserve reply reports them (vLLM's names; the workers count the same)
+PREFIX_QUERIES = Counter("epd:prefix_cache_queries_total", "Prompt tokens looked up in a decode prefix cache", ["worker"])
+PREFIX_HITS = Counter("epd:prefix_cache_hits_total", "Prompt tokens served from a decode prefix cache", ["worker"])

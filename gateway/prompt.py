@@ -47,7 +47,7 @@ import copy
 import json
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from transformers import AutoConfig
 
 from runtime.model import families, grammar, supported_models
 from runtime.model.families import ModelFamily
+from runtime.model.families.base import placeholder_runs
 
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart
@@ -74,6 +75,8 @@ class BuiltPrompt:
     token_ids: list[int]                                  # placeholders expanded
     image_grids: list[tuple[int, int, int] | None]        # one per image: (t, h, w) for M-RoPE families, else None
     rope_delta: int                                       # the position plan's per-sequence offset (0 for 1-D)
+    image_tokens: list[int] = field(default_factory=list) # one per image: its placeholder tokens (prefix-cache keys)
+    positions: Any = None                                 # M-RoPE: the plan's [3, T] positions (prefix-cache keys); 1-D: None
 
 
 class PromptBuilder:
@@ -261,8 +264,26 @@ class PromptBuilder:
                      tools: Sequence[dict[str, Any]] | None = None) -> BuiltPrompt:
         """``build``, with each image's grid and the sequence's rope delta (see the module docstring)."""
         token_ids = self.build(messages, images, tools)
-        grids, rope_delta = self.positions(token_ids, images)
-        return BuiltPrompt(token_ids, grids, rope_delta)
+        grids, plan = self.position_plan(token_ids, images)
+        return BuiltPrompt(token_ids, grids, plan.rope_delta if plan else 0, self.image_tokens(token_ids, len(images)),
+                           plan.positions if plan else None)
+
+    @property
+    def placeholder_id(self) -> int:
+        """The image placeholder's token id (-1 when the processor has none)."""
+        if self.image_token_id is not None:
+            return int(self.image_token_id)
+        return int(self.family.image_token_id) if self.family is not None else -1
+
+    def image_tokens(self, token_ids: Sequence[int], n_images: int) -> list[int]:
+        """Each image's placeholder count: its run of image tokens, or (adjacent images, whose runs
+        merge) an even share of them (every image of a fixed-size family expands alike)."""
+        if not n_images:
+            return []
+        runs = placeholder_runs(token_ids, self.placeholder_id)
+        if len(runs) == n_images:
+            return runs
+        return [sum(runs) // n_images] * n_images
 
     def text_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool) -> BuiltPrompt:
         """A completions prompt (text, or token ids) as the workers need it; no images. CPU-bound, thread-safe."""
@@ -291,11 +312,16 @@ class PromptBuilder:
     def positions(self, token_ids: Sequence[int],
                   images: Sequence[Image.Image]) -> tuple[list[tuple[int, int, int] | None], int]:
         """``(grids, rope_delta)`` of a prompt whose placeholders were expanded for ``images``."""
+        grids, plan = self.position_plan(token_ids, images)
+        return grids, plan.rope_delta if plan else 0
+
+    def position_plan(self, token_ids: Sequence[int], images: Sequence[Image.Image]) -> tuple[list, Any]:
+        """``(grids, the family's PositionPlan)``; ``None`` for the plan without a family."""
         if self.family is None:
-            return [None] * len(images), 0
+            return [None] * len(images), None
         # every size here went through the full processor once (``tokenize``), which refuses what it cannot resize
         grids = [self.family.image_grid(self.processor, *image.size) for image in images]
-        return grids, self.family.position_plan(token_ids, grids).rope_delta
+        return grids, self.family.position_plan(token_ids, grids)
 
     # -- length -----------------------------------------------------------------------
     def check_fits(self, messages: Sequence[ChatMessage]) -> None:

@@ -49,6 +49,10 @@ class WorkerHandle:
     last_sample: int = 0
     inflight: int = field(default=0)   # requests this gateway currently has on the worker
     bulk_address: str = ""             # decode: its bulk KV path, learnt from Reserve replies
+    # decode: its prefix-cache summary (ids of its cached block keys) and that summary's version;
+    # emptied when a poll fails (a restarted worker lost its cache, and says so with a new version)
+    prefix_summary: frozenset[int] = frozenset()
+    prefix_summary_version: str = ""
 
     def describe(self) -> dict:
         s = self.stats
@@ -59,7 +63,10 @@ class WorkerHandle:
                 out.update(reservations_active=s.reservations_active, pending_chunks=s.pending_chunks,
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,
                            max_batch_observed=s.max_batch, max_batch_configured=s.max_batch_configured,
-                           lease_reaped_total=s.lease_reaped_total, attention_kernel=s.attention_kernel)
+                           lease_reaped_total=s.lease_reaped_total, attention_kernel=s.attention_kernel,
+                           cached_blocks=s.cached_blocks,
+                           prefix_cache=s.prefix_cache, prefix_cache_queries_total=s.prefix_cache_queries_total,
+                           prefix_cache_hits_total=s.prefix_cache_hits_total)
             elif self.role == "encoder":
                 out.update(computes=s.computes, cache_hits=s.cache_hits, single_flight_in_flight=s.single_flight_in_flight)
             elif self.role == "prefill":
@@ -143,10 +150,17 @@ class WorkerRegistry:
 
     async def _poll(self, h: WorkerHandle) -> None:
         try:
-            stats = await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample), timeout=max(1.0, self.poll_s * 2))
+            stats = await h.stub.Stats(pb.StatsRequest(since_sample=h.last_sample,
+                                                       prefix_summary_version=h.prefix_summary_version),
+                                       timeout=max(1.0, self.poll_s * 2))
         except grpc.aio.AioRpcError:
             h.healthy = False
+            h.prefix_summary, h.prefix_summary_version = frozenset(), ""
             return
+        if stats.prefix_summary_sent or not stats.prefix_cache:
+            h.prefix_summary = frozenset(stats.prefix_summary)
+            h.prefix_summary_version = stats.prefix_summary_version
+        del stats.prefix_summary[:]        # kept once, as the set
         if stats.last_sample < h.last_sample:  # the worker restarted: its sample numbering began again
             h.last_sample = 0
         for sample in stats.samples:
@@ -159,6 +173,7 @@ class WorkerRegistry:
         h = self.workers[role].get(address)
         if h is not None:
             h.healthy = False
+            h.prefix_summary, h.prefix_summary_version = frozenset(), ""
 
     def healthy(self, role: str) -> list[WorkerHandle]:
         return [h for h in self.workers[role].values() if h.healthy]

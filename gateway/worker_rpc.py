@@ -83,13 +83,16 @@ class WorkerRpc:
         except grpc.aio.AioRpcError as exc:
             raise self.failure("encoder", encoder, exc, job) from exc
 
-    async def reserve(self, h: WorkerHandle, job: ChatJob, digest: str) -> pb.Reservation:
-        """Decode blocks for the prompt and ``max_tokens``; a worker that cannot fit them refuses at once (429)."""
+    async def reserve(self, h: WorkerHandle, job: ChatJob, digest: str, prefix_keys: list[bytes] = (),
+                      reuse_prefix: bool = False) -> pb.ReserveResponse:
+        """Decode blocks for the prompt and ``max_tokens``; a worker that cannot fit them refuses at once (429).
+        ``reuse_prefix``: the worker may start the reservation with the cached blocks of ``prefix_keys``."""
         try:
             resp = await h.stub.Reserve(pb.ReserveRequest(
                 request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest,
-                model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta),
+                model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta,
+                prefix_keys=list(prefix_keys), reuse_prefix=reuse_prefix),
                 timeout=time_left_s(job.ttft_deadline_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -97,7 +100,10 @@ class WorkerRpc:
                 raise AdmissionRefused(429, f"decode capacity: {exc.details()}", 1.0) from exc
             raise self.failure("decode", h, exc, job) from exc
         h.bulk_address = resp.bulk_address
-        return resp.reservation
+        if prefix_keys:
+            m.PREFIX_QUERIES.labels(h.address).inc(len(job.token_ids))
+            m.PREFIX_HITS.labels(h.address).inc(resp.cached_tokens)
+        return resp
 
     async def rearm(self, h: WorkerHandle, reservation: pb.Reservation, job: ChatJob) -> pb.Reservation:
         """The held reservation's next generation (blocks kept; chunks of the old one are refused)."""

@@ -11,7 +11,7 @@ Every default comes from the settings classes of the processes it configures
 (``WorkerSettings``, ``GatewaySettings``, ``ServeSettings``), so an ``EPD_*`` variable means the
 same to serve as to them, and serve passes a flag to a child only for what it decides itself
 (model, device, listening address, and ``--limit-images-per-request``, which every process
-must agree on). Besides serve's own environment every child gets:
+must agree on; ``--no-prefix-cache`` goes to the decode workers). Besides serve's own environment every child gets:
 
 - ``EPD_ENCODER_ADDRS``, ``EPD_PREFILL_ADDRS``, ``EPD_DECODE_ADDRS``: every worker's address,
   all fixed before the first one starts (a role without workers: the variable is unset);
@@ -79,6 +79,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
                    help="(EPD_PLACEMENT)")
     p.add_argument("--limit-images-per-request", type=int, default=gateway.limit_images_per_request,
                    help="images one request may carry; more is a 400 before any work (EPD_LIMIT_IMAGES_PER_REQUEST)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=worker.prefix_cache,
+                   help="decode workers keep no KV after a request ends (EPD_PREFIX_CACHE=false)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
     p.add_argument("--log-format", choices=["text", "json"], default=gateway.log_format,
@@ -167,6 +169,8 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--metrics-port", str(worker.metrics_port + n)]
             if role == "decode" and worker.bulk_port:
                 argv += ["--bulk-port", str(worker.bulk_port + i)]
+            if role == "decode" and not args.prefix_cache:
+                argv += ["--no-prefix-cache"]
             specs.append(ChildSpec(role, address, argv, env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1

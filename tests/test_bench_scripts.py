@@ -367,3 +367,18 @@ def test_peer_checkpoint_renames_only_the_vision_tower(tmp_path: Path) -> None:
     assert (out / "config.json").read_text() == "{}"
     assert peer_checkpoint(src, tmp_path / "peer") == out   # built once
     assert rename_key("vision_tower.vision_model.x") == "vision_tower.vision_model.x"
+
+
+def test_prefix_cache_summary_reads_turns_two_on() -> None:
+    from bench.prefix_cache import first_turn_text, summarize
+
+    rows = [{"turn": 1, "ttft_s": 3.0, "cached_tokens": 0, "prompt_tokens": 100, "breakdown": {}},
+            {"turn": 2, "ttft_s": 0.5, "cached_tokens": 96, "prompt_tokens": 120, "breakdown": {"colocated_prefill_ms": 1}},
+            {"turn": 3, "ttft_s": 1.5, "cached_tokens": 0, "prompt_tokens": 140, "breakdown": {}}]
+    s = summarize(rows)
+    assert s["ttft_p50_turn1_ms"] == 3000 and s["ttft_p50_later_ms"] == 1000
+    assert s["hit_rate_later"] == 96 / 260 and s["colocated_later"] == 1
+    import random
+
+    text = first_turn_text(300, random.Random(0), ["red", "circle"])
+    assert len(text.split()) > 300 and set(text.split()[:300]) <= {"red", "circle"}

@@ -163,3 +163,19 @@ def test_log_format_and_traces_endpoint_reach_every_child(monkeypatch):
     monkeypatch.setenv("EPD_LOG_FORMAT", "json")
     _, _, workers, _ = build([])
     assert all(flag(c.argv, "--log-format") == "json" for c in workers)
+
+
+def test_no_prefix_cache_reaches_the_decode_workers_alone(monkeypatch):
+    _, _, workers, _ = build([])
+    assert all("--no-prefix-cache" not in w.argv for w in workers)
+    _, _, workers, gateway = build(["--no-prefix-cache", "--decodes", "2"])
+    assert [("--no-prefix-cache" in w.argv) for w in workers] == [w.role == "decode" for w in workers]
+    assert "--no-prefix-cache" not in gateway.argv
+    monkeypatch.setenv("EPD_PREFIX_CACHE", "false")
+    args, _, _, _ = build([])
+    assert args.prefix_cache is False
+    assert WorkerSettings().prefix_cache is False
+    from runtime.worker.settings import parse_worker_args
+    monkeypatch.delenv("EPD_PREFIX_CACHE")
+    assert parse_worker_args("decode", ["--no-prefix-cache"]).prefix_cache is False
+    assert parse_worker_args("decode", []).prefix_cache is True

@@ -19,11 +19,23 @@ can never write into them. ``retag`` moves an allocation to a new token (a new
 transfer generation into the same blocks: the old generation's writes are fenced).
 Freeing a block twice raises (double free is a bookkeeping bug, never ignored).
 Capacity is counted in blocks; nothing is allocated per request after start-up.
+
+Prefix cache (``prefix_cache=True``): a block is FREE, OWNED (one owner token, writable)
+or CACHED (tag ``CACHED``: immutable KV under a key, ``runtime/model/prefix_keys.py``,
+shared by reference count). ``cache`` turns a retiring holder's full prompt blocks into
+CACHED ones (a key already cached frees the copy); ``acquire`` takes references on the
+longest cached chain of keys, ``unref`` drops them. A CACHED block nobody references is
+on the LRU list and is evicted (its key forgotten, the block FREE) only when ``allocate``
+needs it: a reservation always wins over cached KV, and a referenced block is never
+evicted. ``free_blocks`` counts FREE blocks, ``cached_blocks`` CACHED ones; at rest
+(nothing held) ``free_blocks + cached_blocks == num_blocks``. ``available_blocks``
+(FREE + unreferenced CACHED) is what an allocation can take.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +59,7 @@ class KVLayout:
 
 
 FREE = 0   # the owner token of a free block; issued tokens start at 1
+CACHED = -1  # the tag of a block in the prefix cache (shared, read-only)
 
 
 class StaleBlocksError(RuntimeError):
@@ -54,7 +67,8 @@ class StaleBlocksError(RuntimeError):
 
 
 class KVBlockPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = 16, device: str | torch.device = "cpu"):
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = 16, device: str | torch.device = "cpu",
+                 prefix_cache: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.layout = layout
@@ -67,13 +81,21 @@ class KVBlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owner = [FREE] * num_blocks      # owner token per block
         self._tokens = itertools.count(FREE + 1)
+        self.prefix_cache = prefix_cache
+        self._key: list[bytes | None] = [None] * num_blocks    # a CACHED block's key
+        self._refs = [0] * num_blocks                          # a CACHED block's holders
+        self._by_key: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()      # CACHED, unreferenced; first = evicted first
+        self.evicted_total = 0
+        self.cache_version = 0      # bumped whenever the set of cached keys changes
 
     @classmethod
-    def from_memory_budget(cls, layout: KVLayout, budget_bytes: int, block_size: int = 16, device="cpu") -> "KVBlockPool":
+    def from_memory_budget(cls, layout: KVLayout, budget_bytes: int, block_size: int = 16, device="cpu",
+                           prefix_cache: bool = False) -> "KVBlockPool":
         num_blocks = budget_bytes // (layout.bytes_per_token * block_size)
         if num_blocks < 1:
             raise ValueError(f"KV memory budget {budget_bytes} B is smaller than one block ({layout.bytes_per_token * block_size} B)")
-        return cls(layout, int(num_blocks), block_size, device)
+        return cls(layout, int(num_blocks), block_size, device, prefix_cache)
 
     # -- capacity ---------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -81,11 +103,22 @@ class KVBlockPool:
 
     @property
     def free_blocks(self) -> int:
+        """FREE blocks (holding nothing)."""
         return len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """CACHED blocks, referenced or not."""
+        return len(self._by_key)
+
+    @property
+    def available_blocks(self) -> int:
+        """What an allocation can take now: FREE blocks plus unreferenced CACHED ones (evicted on demand)."""
+        return len(self._free) + len(self._lru)
 
     def can_allocate(self, tokens: int) -> bool:
         """Side-effect free probe."""
-        return self.blocks_for(tokens) <= len(self._free)
+        return self.blocks_for(tokens) <= self.available_blocks
 
     def new_token(self) -> int:
         """A fresh owner token, never issued before by this pool."""
@@ -94,12 +127,18 @@ class KVBlockPool:
     def allocate(self, tokens: int, owner: int | None = None) -> list[int] | None:
         """Blocks for ``tokens`` positions tagged with ``owner`` (a fresh token when ``None``),
         or ``None`` when they do not fit (nothing taken)."""
-        need = self.blocks_for(tokens)
-        if need > len(self._free):
+        return self.allocate_blocks(self.blocks_for(tokens), owner)
+
+    def allocate_blocks(self, need: int, owner: int | None = None) -> list[int] | None:
+        """``need`` blocks tagged with ``owner``, evicting unreferenced cached blocks (least recently
+        used first) when too few are free; ``None`` when they do not fit (nothing taken or evicted)."""
+        if need > self.available_blocks:
             return None
         owner = self.new_token() if owner is None else owner
-        if owner == FREE:
-            raise ValueError("owner token 0 means free; take one from new_token()")
+        if owner <= FREE:
+            raise ValueError("owner tokens 0 and -1 mean free and cached; take one from new_token()")
+        while len(self._free) < need:
+            self._evict_one()
         blocks = [self._free.pop() for _ in range(need)]
         for b in blocks:
             self._owner[b] = owner
@@ -114,8 +153,67 @@ class KVBlockPool:
         for b in reversed(blocks):
             if self._owner[b] == FREE:
                 raise RuntimeError(f"KV block {b} freed twice")
+            if self._owner[b] == CACHED:
+                raise RuntimeError(f"KV block {b} is cached: drop a reference with unref()")
             self._owner[b] = FREE
             self._free.append(b)
+
+    # -- prefix cache -------------------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are cached (no side effect)."""
+        n = 0
+        for key in keys:
+            if key not in self._by_key:
+                break
+            n += 1
+        return n
+
+    def acquire(self, keys: list[bytes]) -> list[int]:
+        """A reference on each block of the longest cached chain of ``keys`` (none taken past the
+        first miss); the blocks leave the LRU list while referenced."""
+        blocks = [self._by_key[key] for key in keys[: self.lookup(keys)]]
+        for b in blocks:
+            self._refs[b] += 1
+            self._lru.pop(b, None)
+        return blocks
+
+    def unref(self, blocks: list[int]) -> None:
+        """Drop one reference per block (deepest first onto the LRU list, so a chain is evicted from its tail)."""
+        for b in blocks:
+            if self._owner[b] != CACHED or self._refs[b] < 1:
+                raise RuntimeError(f"KV block {b} is not a referenced cached block")
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._lru[b] = None
+
+    def cache(self, blocks: list[int], keys: list[bytes], owner: int) -> None:
+        """Hand ``owner``'s ``blocks`` (full, written) to the cache under ``keys``, unreferenced; a
+        block whose key is already cached (or every block, with the cache off) is freed instead."""
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(blocks)} blocks for {len(keys)} keys")
+        self.check_owner(blocks, owner, "cache")
+        for b, key in zip(reversed(blocks), reversed(keys)):
+            if not self.prefix_cache or key in self._by_key:
+                self._owner[b] = FREE
+                self._free.append(b)
+                continue
+            self._owner[b], self._key[b], self._refs[b] = CACHED, key, 0
+            self._by_key[key] = b
+            self._lru[b] = None
+            self.cache_version += 1
+
+    def _evict_one(self) -> None:
+        b, _ = self._lru.popitem(last=False)
+        del self._by_key[self._key[b]]
+        self._key[b], self._owner[b] = None, FREE
+        self._free.append(b)
+        self.evicted_total += 1
+        self.cache_version += 1
+
+    def summary(self) -> list[bytes]:
+        """Every cached key (what this pool can serve a prefix from)."""
+        return list(self._by_key)
 
     # -- ownership fence ----------------------------------------------------------
     def owner_of(self, block: int) -> int:

@@ -150,6 +150,25 @@ class CostModel:
         """Whole-prompt prefill of ``tokens`` new tokens on an idle worker."""
         return self.prefill(tokens)
 
+    def suffix_prefill_ms(self, cached: int, tokens: int) -> float:
+        """Prefill of prompt positions ``cached..tokens`` whose first ``cached`` positions' KV is
+        already there (a prefix-cache hit): the fixed cost once, the rest of the fit on the new
+        tokens, the attention term on their context (``tokens^2 - cached^2``). ``prefill_ms`` at 0."""
+        if cached <= 0:
+            return self.prefill(tokens)
+        fit, new = self.prefill, max(tokens - cached, 1)
+        return fit.intercept + fit.slope * new + fit.curve * (tokens * tokens - cached * cached)
+
+    def suffix_chunk_times(self, cached: int, tokens: int, chunk_tokens: int) -> tuple[float, ...]:
+        """``chunk_ms`` of each chunk of the positions ``cached..tokens`` (the first pays the fixed cost)."""
+        if cached <= 0:
+            return self.chunk_times(tokens, chunk_tokens)
+        sizes = self.chunk_sizes(tokens - cached, chunk_tokens)
+        times = [self.chunk_ms(cached + i * chunk_tokens, c) for i, c in enumerate(sizes)]
+        if times:
+            times[0] += self.prefill.intercept
+        return tuple(times)
+
     def queued_prefill_ms(self, tokens: int, prompts: int) -> float:
         """A queue of ``prompts`` prompts holding ``tokens`` tokens between them, prefilled one
         after another: the fixed cost once per prompt and the attention term per prompt (exact

@@ -57,8 +57,12 @@ class DecodeWorkerLoad:
     queue_wait_ms: float = 0.0  # local prefill work already queued on this worker
     slot_wait_ms: float = 0.0  # until a slot frees, when free_slots == 0
     accepts_local_prefill: bool = True  # False: a pure decode worker (no colocated option)
+    cached_prefix_tokens: int = 0  # of this request's prompt, cached KV here (< prompt_tokens)
+    cached_images: int = 0  # of this request's images, wholly inside that prefix (no encode when colocated here)
 
     def __post_init__(self) -> None:
+        if self.cached_prefix_tokens < 0 or self.cached_images < 0:
+            raise ValueError(f"negative prefix-cache count in decode load for {self.address}")
         if self.running_seqs < 0 or self.block_size < 1:
             raise ValueError(f"bad decode load for {self.address}: running_seqs >= 0 and block_size >= 1")
         if self.queue_wait_ms < 0 or self.slot_wait_ms < 0:

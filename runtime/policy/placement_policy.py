@@ -6,7 +6,10 @@ snapshots of stage load; nothing here does I/O or keeps state.
 Placements:
 
 - ``colocated``: prefill runs on decode worker X between its decode steps, then the
-  sequence joins X's batch. TTFT = X's queued local work + prefill. Every sequence
+  sequence joins X's batch. TTFT = X's queued local work + prefill. When X holds the
+  first ``cached_prefix_tokens`` of the prompt as cached KV, it prefills only the rest
+  (``CostModel.suffix_prefill_ms``: the new tokens against the whole context) and the
+  images wholly inside that prefix are not encoded. Every sequence
   already running on X waits out the prefill: its next inter-token gap is
   ``prefill + step`` (or ``chunk + step`` per chunk when prefill is chunked).
 - ``disaggregated`` (remote): prefill on P, KV over the link P -> X (after prefill,
@@ -177,7 +180,8 @@ def choose_placement(
     local = remote = None
     prompt_ms = cost_model.prefill_ms(shape.prompt_tokens)  # shared by every worker
     if local_capable:
-        local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc, prompt_ms)
+        local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc,
+                            prompt_ms, loads.encoder)
     if loads.prefill and (mode != COLOCATED or not local_capable):
         remote = _best_remote(shape, loads.prefill, loads.link, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms)
     if local is None and remote is None:
@@ -211,32 +215,44 @@ def _best_local(
     local_chunk_tokens: int | None,
     encode_ms: float,
     prompt_prefill_ms: float,
+    encoder: EncoderLoad | None = None,
 ) -> LocalEstimate:
     """The worker with the least harm (own deadline miss + neighbours breached), then cost.
 
     On one worker: TTFT is its queued local work (or slot wait) plus the prefill; each
     running neighbour's next gap is prefill + step (chunked: chunk + step, per chunk).
     ``prompt_prefill_ms`` is ``cm.prefill_ms(shape.prompt_tokens)``, computed once per request.
+    A worker with ``cached_prefix_tokens`` prefills only the rest, and encodes only the images
+    outside that prefix.
     """
     best: tuple[float, float, float, int] | None = None
     best_w, best_cost = None, 0.0
-    tokens = shape.prompt_tokens
+    full = shape.prompt_tokens
     for w in workers:
+        cached = w.cached_prefix_tokens
+        tokens = full - cached
         start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots <= 0 else 0.0)
-        if encode_ms > start:
-            start = encode_ms
+        enc = encode_ms
+        if cached and w.cached_images:
+            rest = shape.n_images - w.cached_images
+            enc = 0.0 if encoder is None or rest <= 0 else estimate_encode_ms(
+                RequestShape(full, shape.max_tokens, rest, min(shape.n_images_cached, rest)), encoder, cm)
+        if enc > start:
+            start = enc
         n = w.running_seqs
         if local_chunk_tokens is not None and tokens > local_chunk_tokens:
             step = cm.decode_step_ms(n) if n else 0.0
             total = gap = interference = 0.0
-            for c in cm.chunk_times(tokens, local_chunk_tokens):
+            times = cm.suffix_chunk_times(cached, full, local_chunk_tokens) if cached else cm.chunk_times(
+                tokens, local_chunk_tokens)
+            for c in times:
                 total += c + step
                 if n and c + step > gap:
                     gap = c + step
                 if n and c + step > itl_slo_ms:
                     interference += n * c
         else:
-            total = prompt_prefill_ms
+            total = cm.suffix_prefill_ms(cached, full) if cached else prompt_prefill_ms
             gap = total + cm.decode_step_ms(n + 1) if n else 0.0
             interference = n * total if gap > itl_slo_ms else 0.0
         ttft, breached = start + total, n if gap > itl_slo_ms else 0

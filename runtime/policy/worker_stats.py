@@ -16,7 +16,12 @@ decision. Every estimate made here uses only these fields and the cost model:
   output length the policy knows): ``k x max_tokens / (running + 1)`` steps;
 - the KV link: the remote requests the caller has admitted that have no first token yet
   (``kv_transfers``, ``kv_bytes``), all sharing the link with a new transfer;
-- the encoder pool: the least-loaded encoder's queue, one image's encode per entry.
+- the encoder pool: the least-loaded encoder's queue, one image's encode per entry;
+- a decode worker's prefix cache: ``cached_prefix_tokens`` of this request's prompt that it
+  holds as cached KV (the gateway reads it from the worker's reported summary,
+  ``gateway/prefix_routing.py``; the simulator has no prefix cache and reports 0) and
+  ``cached_images``, the images wholly inside that prefix: a colocated prefill there runs
+  only the rest and skips encoding those images.
 """
 
 from __future__ import annotations
@@ -56,10 +61,13 @@ class WorkerReport:
     block_size: int = 16
     max_batch: int = 0  # decode: the configured batch size (0: not reported)
     in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
+    cached_prefix_tokens: int = 0  # decode: of this request's prompt, held there as cached KV
+    cached_images: int = 0  # decode: this request's images wholly inside that cached prefix
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
-        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight) < 0:
+        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight,
+               self.cached_prefix_tokens, self.cached_images) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 in the report of {self.address}")
@@ -119,5 +127,7 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     if free <= 0:  # the (claimed - slots + 1)-th retirement frees the slot this request needs
         steps = (1 - free) * shape.max_tokens / (running + 1)
         slot_wait = steps * cm.decode_step_ms(running)
+    cached = min(w.cached_prefix_tokens, shape.prompt_tokens - 1)
     return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
-                            slot_wait)
+                            slot_wait, cached_prefix_tokens=cached if cached > 0 else 0,
+                            cached_images=min(w.cached_images, shape.n_images) if cached > 0 else 0)

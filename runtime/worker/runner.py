@@ -49,12 +49,13 @@ class WorkerRole:
     build: Callable[[WorkerSettings, VLMAdapter], Awaitable[WorkerServicer]]   # its parts, loops started
 
 
-def kv_pool_for(adapter: VLMAdapter, settings: WorkerSettings) -> KVBlockPool:
-    """The worker's KV block pool: ``EPD_KV_MEMORY_MB`` of blocks of ``EPD_KV_BLOCK_SIZE`` tokens, allocated once."""
+def kv_pool_for(adapter: VLMAdapter, settings: WorkerSettings, *, prefix_cache: bool = False) -> KVBlockPool:
+    """The worker's KV block pool: ``EPD_KV_MEMORY_MB`` of blocks of ``EPD_KV_BLOCK_SIZE`` tokens, allocated once
+    (``prefix_cache``: retired prompt blocks stay cached; decode passes ``EPD_PREFIX_CACHE``)."""
     from runtime.model.kv_pool import KVBlockPool
 
     return KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
-                                          device=settings.device)
+                                          device=settings.device, prefix_cache=prefix_cache)
 
 
 def run_worker(role: WorkerRole, argv: list[str]) -> int:

@@ -60,6 +60,7 @@ class WorkerSettings(BaseSettings):
     lease_margin_s: float = Field(default=10.0, ge=0, description="decode: a reservation's lease is its deadline plus this")
     max_lease_s: float = Field(default=300.0, gt=0,
                                description="decode: the longest a reservation may hold blocks before it is used, whatever deadline a caller sends")
+    prefix_cache: bool = Field(default=True, description="decode: keep retired prompts' full KV blocks cached (keyed by tokens, images, model, positions and cache_salt) and reuse them for a later prompt with the same prefix; `--no-prefix-cache` on serve and decode turns it off")
     kv_transport: Literal["bulk", "grpc"] = Field(
         default="bulk", description="decode: `bulk` accepts KV on a raw TCP path beside gRPC, `grpc` only over PushKV")
     bulk_port: int = Field(default=0, ge=0, le=65535, description="decode: bulk KV port (0: any free port, advertised in Reserve)")
@@ -120,6 +121,8 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--prefill-chunk-tokens", type=int)
     p.add_argument("--limit-images-per-request", type=int, help="images one request may carry")
     p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="decode: keep no KV after a request ends (EPD_PREFIX_CACHE=false)")
     p.add_argument("--bulk-port", type=int)
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
     p.add_argument("--otlp-traces-endpoint", metavar="URL", help="export OpenTelemetry traces over OTLP/HTTP to URL")

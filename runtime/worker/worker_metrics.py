@@ -2,7 +2,9 @@
 
 Gauges and counters are read from the live servicer at scrape time (a custom
 collector), so they can never drift from the state they describe. Counters:
-``epd:worker_kv_chunks_total{outcome}`` and, on decode, ``epd:lease_reaped_total``.
+``epd:worker_kv_chunks_total{outcome}`` and, on decode, ``epd:lease_reaped_total`` and the
+prefix cache's ``epd:prefix_cache_queries_total`` / ``epd:prefix_cache_hits_total`` (prompt
+tokens looked up / served from cached blocks; ``epd:worker_cached_blocks`` is its gauge).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ class HasLocalStats(Protocol):
 _GAUGES = {
     "reservations_active": "Decode reservations holding KV blocks",
     "pending_chunks": "KV chunks landed but not yet inserted",
-    "free_blocks": "Free KV blocks",
+    "free_blocks": "KV blocks a reservation can take (free, or cached and unreferenced)",
     "total_blocks": "KV blocks in the pool",
-    "cached_blocks": "KV blocks held by the prefix cache (when the worker has one)",
+    "cached_blocks": "KV blocks holding prefix-cache KV",
     "running_seqs": "Sequences in the running batch",
     "queue_depth": "Requests queued at this worker",
     "in_flight": "Requests in flight at this worker",
@@ -56,6 +58,12 @@ class _WorkerCollector:
             c = CounterMetricFamily("epd:lease_reaped", "Reservations the lease reaper released (nobody freed them in time)")
             c.add_metric([], float(stats["lease_reaped_total"]))
             yield c
+        for name, help_ in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                            ("prefix_cache_hits", "Prompt tokens served from the prefix cache")):
+            if f"{name}_total" in stats:
+                c = CounterMetricFamily(f"epd:{name}", help_)
+                c.add_metric([], float(stats[f"{name}_total"]))
+                yield c
         chunks = {k.removeprefix("kv_chunks_"): v for k, v in stats.items() if k.startswith("kv_chunks_")}
         if chunks:
             c = CounterMetricFamily("epd:worker_kv_chunks", "KV chunks received, by outcome", labels=["outcome"])

@@ -57,16 +57,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw")
+    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     encoder_address: str
     cache_salt: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    placeholder_tokens: int
+    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
@@ -79,13 +81,15 @@ class TimingSample(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., size: _Optional[float] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("since_sample",)
+    __slots__ = ("since_sample", "prefix_summary_version")
     SINCE_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_VERSION_FIELD_NUMBER: _ClassVar[int]
     since_sample: int
-    def __init__(self, since_sample: _Optional[int] = ...) -> None: ...
+    prefix_summary_version: str
+    def __init__(self, since_sample: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel")
+    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel", "cached_blocks", "prefix_cache", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_summary_version", "prefix_summary_sent", "prefix_summary")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,13 @@ class WorkerStats(_message.Message):
     SINGLE_FLIGHT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     serving: bool
@@ -134,7 +145,14 @@ class WorkerStats(_message.Message):
     single_flight_in_flight: int
     max_batch_configured: int
     attention_kernel: str
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ...) -> None: ...
+    cached_blocks: int
+    prefix_cache: bool
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prefix_summary_version: str
+    prefix_summary_sent: bool
+    prefix_summary: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ..., prefix_summary_sent: _Optional[bool] = ..., prefix_summary: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeImage(_message.Message):
     __slots__ = ("ref", "data")
@@ -197,7 +215,7 @@ class Reservation(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "deadline_unix_ms", "token_digest", "model_fingerprint", "rope_delta")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "deadline_unix_ms", "token_digest", "model_fingerprint", "rope_delta", "prefix_keys", "reuse_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +223,8 @@ class ReserveRequest(_message.Message):
     TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -212,19 +232,23 @@ class ReserveRequest(_message.Message):
     token_digest: str
     model_fingerprint: str
     rope_delta: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rope_delta: _Optional[int] = ...) -> None: ...
+    prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    reuse_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rope_delta: _Optional[int] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., reuse_prefix: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation", "blocks", "alloc_ms", "bulk_address")
+    __slots__ = ("reservation", "blocks", "alloc_ms", "bulk_address", "cached_tokens")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOC_MS_FIELD_NUMBER: _ClassVar[int]
     BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation: Reservation
     blocks: int
     alloc_ms: float
     bulk_address: str
-    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., blocks: _Optional[int] = ..., alloc_ms: _Optional[float] = ..., bulk_address: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., blocks: _Optional[int] = ..., alloc_ms: _Optional[float] = ..., bulk_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RearmRequest(_message.Message):
     __slots__ = ("request_id", "reservation")
@@ -293,7 +317,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens")
+    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +327,7 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     max_tokens: int
@@ -312,7 +337,8 @@ class GenerateRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TransferMetric(_message.Message):
     __slots__ = ("transfer_latency_s", "alloc_latency_s", "transfer_total_bytes", "chunks", "prefill_ms")
