@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import random
 import time
 import uuid
@@ -40,7 +41,7 @@ from runtime.model.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(300)
 
 MAX_TOKENS = 8
-IMAGE_TOKEN = 4
+IMAGE_TOKEN = json.loads((DEMO_MODEL / "config.json").read_text())["image_token_index"]   # the placeholder
 BLOCK = 16
 
 
