@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from runtime.model.sampling import INT32_MAX, MAX_TOP_LOGPROBS
 
 from . import request_fields
-from .openai_schema import MAX_CACHE_SALT_CHARS, ChatMessage, StreamOptions, Usage, check_stop
+from .openai_schema import MAX_CACHE_SALT_CHARS, ChatMessage, Usage, check_stop
 from .request_fields import Refusal, first_refusal
 from .sampling_fields import SamplingFields
 
@@ -37,9 +37,6 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)   # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     add_special_tokens: bool = True       # vLLM's default for text prompts
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -57,20 +54,6 @@ class CompletionRequest(SamplingFields):
                 yield Refusal("stream_options", "stream_options is only allowed when stream is true",
                               request_fields.UNSUPPORTED)
             yield first_refusal(self.stream_options, "stream_options.", request_fields.STREAM_OPTIONS)
-
-    @property
-    def stop_sequences(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionLogprobs(BaseModel):

@@ -1,4 +1,4 @@
-"""The sampling fields chat and completions requests share, and their one conversion to ``SamplingParams``.
+"""The sampling and streaming fields chat and completions requests share, and their one conversion to ``SamplingParams``.
 
 Every bound is ``runtime.model.sampling``'s (the schema accepts exactly what the
 workers sample with). Defaults are OpenAI's: ``temperature`` 1, ``top_p`` 1,
@@ -27,6 +27,13 @@ from runtime.model.sampling import (
 )
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: every chunk carries the usage so far
+
+
 class SamplingFields(BaseModel):
     """Declared on both request models; a field here is honoured at every value it accepts."""
 
@@ -44,6 +51,23 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
         """The workers' parameters; ``logprobs``: ``None`` for none, else how many alternatives per token."""
