@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import json
 import os
@@ -42,6 +43,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 
 from cluster import DEMO_MODEL
 from gateway.orchestrator import Orchestrator
@@ -199,6 +201,33 @@ class Outcome:
     started: float   # time.monotonic() when it was sent
 
 
+@functools.cache
+def _generated(seed: int) -> str:
+    """The shipped model's own greedy answer for this seed's image (``generate()``, in process): the
+    reference a reply must equal where the model misreads an image (it does, rarely)."""
+    from transformers import AutoProcessor
+
+    processor, model = AutoProcessor.from_pretrained(DEMO_MODEL), _reference_model()
+    image = draw_shape(random.Random(seed)).image
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
+    enc = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=[image],
+                    return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=8, do_sample=False)[0, enc["input_ids"].shape[1]:]
+    return processor.decode(out, skip_special_tokens=True).strip()
+
+
+@functools.cache
+def _reference_model():
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(DEMO_MODEL).eval()
+
+
+def _right(text: str, seed: int, answer: str) -> bool:
+    return text.strip() == answer or text.strip() == _generated(seed)
+
+
 async def _one(client: httpx.AsyncClient, seed: int, stream: bool) -> Outcome:
     body, answer = _image_request(seed, stream)
     t0 = time.monotonic()
@@ -215,7 +244,7 @@ async def _one(client: httpx.AsyncClient, seed: int, stream: bool) -> Outcome:
                 return done("clean" if clean else "bad", f"HTTP {r.status_code}: {payload}")
             if not stream:
                 content = json.loads(await r.aread())["choices"][0]["message"]["content"]
-                return done("ok" if content.strip() == answer else "bad", f"answer {content!r}, expected {answer!r}")
+                return done("ok" if _right(content, seed, answer) else "bad", f"answer {content!r}, expected {answer!r}")
             text, finish, ended = "", None, False
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -230,7 +259,7 @@ async def _one(client: httpx.AsyncClient, seed: int, stream: bool) -> Outcome:
                 for choice in event["choices"]:
                     text += choice["delta"].get("content") or ""
                     finish = choice["finish_reason"] or finish
-            if ended and finish and text.strip() == answer:
+            if ended and finish and _right(text, seed, answer):
                 return done("ok", "")
             return done("bad", f"stream ended without an error: [DONE]={ended} finish={finish} text={text!r}")
     except httpx.HTTPError as exc:
