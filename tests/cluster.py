@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,7 +34,9 @@ DEMO_MODEL = ROOT / "models" / "demo-vlm"
 _SCRUBBED = ("EPD_INTERNAL_TOKEN", "EPD_ALLOW_UNAUTHENTICATED", "EPD_ENCODER_ADDRS", "EPD_PREFILL_ADDRS",
              "EPD_DECODE_ADDRS", "EPD_API_KEY", "EPD_REDIS_URL")
 
-__all__ = ["DEMO_MODEL", "ROOT", "Cluster", "Gateway", "Worker", "free_port", "worker_env"]
+__all__ = ["DEMO_MODEL", "PLACEMENTS", "ROOT", "Cluster", "Gateway", "Worker", "free_port", "placement_pair",
+           "worker_env"]
+PLACEMENTS = ("colocated", "disaggregated")
 
 
 @dataclass
@@ -154,3 +158,22 @@ def _health_ok(base: str) -> bool:
 def _wait(probe, process: Process, end: float, what: str) -> None:
     """``wait_serving`` with the whole log in the error (a test failure should show everything)."""
     wait_serving(probe, [process], max(0.0, end - time.monotonic()), what, poll_s=0.2, log_lines=10**6)
+
+
+@contextmanager
+def placement_pair(tmp: Path, *gateway_flags: str, decode_env: dict[str, str] | None = None
+                   ) -> Iterator[tuple[Cluster, dict[str, Gateway]]]:
+    """One encoder, decode and prefill process behind two gateways, one per placement in
+    ``PLACEMENTS`` (each with ``gateway_flags``): every case can run through both placements on
+    the same workers. Everything is stopped on exit."""
+    c = Cluster(tmp)
+    try:
+        c.start("encoder")
+        c.start("decode", env=decode_env)
+        c.start("prefill")
+        c.wait_healthy()
+        gateways = {p: c.start_gateway("--placement", p, *gateway_flags) for p in PLACEMENTS}
+        c.wait_gateways()
+        yield c, gateways
+    finally:
+        c.stop()

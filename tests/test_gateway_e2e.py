@@ -8,9 +8,6 @@ stays held (``tests/leaks.py``: workers, the gateway's counters, the lease reape
 
 from __future__ import annotations
 
-import base64
-import io
-import random
 import time
 
 import httpx
@@ -19,7 +16,7 @@ import pytest
 
 from cluster import Cluster, Gateway
 from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
-from runtime.demo_model.shapes import draw_shape
+from shape_images import shape_data_url
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +48,7 @@ def nothing_leaks(served):
 
 
 def image_part(seed: int) -> tuple[dict, str]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url, sample = shape_data_url(seed)
     return {"type": "image_url", "image_url": {"url": url}}, sample.answer
 
 

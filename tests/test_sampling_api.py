@@ -16,35 +16,23 @@ each test (``tests/leaks.py``).
 
 from __future__ import annotations
 
-import base64
-import io
-import random
 
 import httpx
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import placement_pair
 from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
-from runtime.demo_model.shapes import draw_shape
+from shape_images import shape_data_url
 
 MODEL = "demo-vlm"
-PLACEMENTS = ("colocated", "disaggregated")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("sampling"))
-    try:
-        c.start("encoder")
-        c.start("decode", env=LONG_LEASES)
-        c.start("prefill")
-        c.wait_healthy()
-        gateways = {p: c.start_gateway("--placement", p, "--prefill-chunk-tokens", "8") for p in PLACEMENTS}
-        c.wait_gateways()
-        yield c, gateways
-    finally:
-        c.stop()
+    with placement_pair(tmp_path_factory.mktemp("sampling"), "--prefill-chunk-tokens", "8",
+                        decode_env=LONG_LEASES) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)
@@ -63,10 +51,7 @@ def clients(served) -> dict[str, openai.OpenAI]:
 
 
 def image_chat(seed: int) -> tuple[list[dict], str]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url, sample = shape_data_url(seed)
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "What is in the image?"}]}], sample.answer
 

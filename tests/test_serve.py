@@ -1,9 +1,6 @@
 """`epd serve` brings up the whole stack, answers an image chat correctly, and Ctrl-C leaves nothing behind."""
 
-import base64
-import io
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,7 +12,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from runtime.demo_model.shapes import draw_shape
+from shape_images import shape_data_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,10 +52,8 @@ def served(tmp_path_factory):
 
 
 def _image_url(seed: int) -> tuple[str, str]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), sample.answer
+    url, sample = shape_data_url(seed)
+    return url, sample.answer
 
 
 def test_serve_answers_image_chat(served):

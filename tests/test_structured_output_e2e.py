@@ -12,37 +12,25 @@ compile is a 400 before any work. After every test nothing stays held
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import random
 
 import jsonschema
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import PLACEMENTS, placement_pair
 from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
-from runtime.demo_model.shapes import draw_shape
+from shape_images import shape_data_url
 from runtime.demo_model.tasks import JSON_INSTRUCTION, REPORT_SHAPE_TOOL, SHAPE_SCHEMA
 
 MODEL = "demo-vlm"
-PLACEMENTS = ("colocated", "disaggregated")
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("structured"))
-    try:
-        c.start("encoder")
-        c.start("decode", env=LONG_LEASES)
-        c.start("prefill")
-        c.wait_healthy()
-        gateways = {p: c.start_gateway("--placement", p, "--prefill-chunk-tokens", "16") for p in PLACEMENTS}
-        c.wait_gateways()
-        yield c, gateways
-    finally:
-        c.stop()
+    with placement_pair(tmp_path_factory.mktemp("structured"), "--prefill-chunk-tokens", "16",
+                        decode_env=LONG_LEASES) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +46,7 @@ def client(served, placement: str) -> openai.OpenAI:
 
 
 def image_question(seed: int, question: str = "what is in the image ?") -> tuple[list[dict], dict]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url, sample = shape_data_url(seed)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": question}]}]
     return messages, {"colour": sample.colour, "shape": sample.shape}

@@ -11,9 +11,6 @@ names itself (``service.name``), and the request id and placement are attributes
 
 from __future__ import annotations
 
-import base64
-import io
-import random
 import threading
 import time
 from collections import defaultdict
@@ -27,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from cluster import Cluster, Gateway
-from runtime.demo_model.shapes import draw_shape
+from shape_images import shape_data_url
 
 
 class OtlpReceiver:
@@ -97,9 +94,7 @@ def served(tmp_path_factory, receiver) -> tuple[Cluster, Gateway]:
 
 
 def image_url(seed: int) -> str:
-    buf = io.BytesIO()
-    draw_shape(random.Random(seed)).image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return shape_data_url(seed)[0]
 
 
 def test_one_request_is_one_trace_across_the_processes(served, receiver):
