@@ -60,10 +60,6 @@ class PrefillJob:
     def prompt_len(self) -> int:
         return len(self.prompt)
 
-    @property
-    def total_chunks(self) -> int:
-        return -(-self.prompt_len // self.chunk_tokens)
-
 
 class PrefillScheduler:
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, timings: TimingLog | None = None):
@@ -130,7 +126,8 @@ class PrefillScheduler:
             self.active.append(job)
 
     async def _step(self, batch: list[PrefillJob]) -> None:
-        spans = [(job, job.next_start, min(job.prompt_len, job.next_start + job.chunk_tokens)) for job in batch]
+        # the prompt's chunking rule: never inside a bidirectional image span (PreparedPrompt.chunk_end)
+        spans = [(job, job.next_start, job.prompt.chunk_end(job.next_start, job.chunk_tokens)) for job in batch]
         started, started_ns = time.perf_counter(), time.time_ns()
         chunks, first_tokens = await asyncio.to_thread(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
