@@ -97,6 +97,7 @@ class VLMAdapter:
             kv_heads=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads),
             head_dim=int(head_dim),
             dtype=next(model.parameters()).dtype,
+            **sliding_layout(text_config),
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else text_config.eos_token_id
@@ -277,6 +278,16 @@ class VLMAdapter:
         logits = self.forward_packed(pool, items)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]
+
+
+def sliding_layout(text_config) -> dict:
+    """``KVLayout``'s sliding-window fields from the decoder config (empty without sliding layers)."""
+    types = list(getattr(text_config, "layer_types", None) or [])
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = getattr(text_config, "sliding_window", None)
+    if not sliding or window is None:
+        return {}
+    return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
 def model_fingerprint(path: Path, layout: KVLayout) -> str:
