@@ -74,8 +74,9 @@ def build_tokenizer() -> GemmaTokenizer:
     return tokenizer
 
 
-def build_gemma3(family: str, out: Path, *, seed: int = 0) -> Path:
-    """Write the tiny Gemma 3 checkpoint to ``out`` (``family`` is ``"gemma3"``); seconds on a CPU."""
+def build_gemma3(family: str, out: Path, *, seed: int = 0, text_overrides: dict | None = None) -> Path:
+    """Write the tiny Gemma 3 checkpoint to ``out`` (``family`` is ``"gemma3"``); seconds on a CPU.
+    ``text_overrides``: decoder settings replaced (the bench's Gemma-shaped KV: layers, window, heads)."""
     if family != "gemma3":
         raise ValueError(f"not a Gemma family: {family}")
     torch.manual_seed(seed)
@@ -90,6 +91,7 @@ def build_gemma3(family: str, out: Path, *, seed: int = 0) -> Path:
                 sliding_window=WINDOW, vocab_size=len(tokenizer), max_position_embeddings=2048,
                 initializer_range=INIT_RANGE, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=[1, token("<end_of_turn>")],
                 bos_token_id=2)
+    text.update(text_overrides or {})
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=IMAGE_TOKENS,
