@@ -18,7 +18,10 @@ A transfer is SUCCESS only when every chunk ``0..total-1`` is present, the chunk
 cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's rope
 delta (``runtime/worker/rope_delta.py``: absent is an error for M-RoPE models), token
 digest and model fingerprint equal the reservation's. Out-of-order arrival is
-fine. Payload bytes are copied once: from the message buffer into the pool (gRPC), or
+fine. A chunk may leave out the older KV of sliding-window layers (``sliding_from``, never
+past what decode needs: ``KVLayout.window_from`` of the reservation's prompt); its payload
+is then ``KVLayout.wire_bytes`` long and lands layer by layer (``layer_from``), and the
+reservation's blocks are never handed to the prefix cache. Payload bytes are copied once: from the message buffer into the pool (gRPC), or
 from the socket straight into the pool (the bulk path uses ``admit`` / ``accept`` around
 its own in-place receive). Each stream, on either path, keeps a ``StreamTally`` of
 its chunks' outcomes and ends with its reply: the counts and the transfer state of
@@ -109,8 +112,12 @@ class KVReceiver:
         with warnings.catch_warnings():  # read-only message buffer: we only copy out of it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=torch.uint8)
-        kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
-        self.pool.write(res.blocks, chunk.token_start, kv, owner=res.attempt.owner)   # fenced by generation
+        layer_from = self.layer_from(chunk)
+        if layer_from is None:
+            kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
+            self.pool.write(res.blocks, chunk.token_start, kv, owner=res.attempt.owner)   # fenced by generation
+        else:
+            self.pool.write_wire(res.blocks, chunk.token_start, chunk.token_end, flat, layer_from, owner=res.attempt.owner)
         return self.accept(res, chunk, len(payload))
 
     def payload_bound(self, chunk: pb.KVChunk) -> int:
@@ -121,7 +128,13 @@ class KVReceiver:
         return tokens * self.pool.layout.bytes_per_token
 
     def chunk_nbytes(self, chunk: pb.KVChunk) -> int:
-        return (chunk.token_end - chunk.token_start) * self.pool.layout.bytes_per_token
+        return self.pool.layout.wire_bytes(chunk.token_start, chunk.token_end, chunk.sliding_from)
+
+    def layer_from(self, chunk: pb.KVChunk) -> list[int] | None:
+        """Per layer the first position the (admitted) chunk carries; ``None``: every layer, the whole span."""
+        if chunk.sliding_from <= chunk.token_start:
+            return None
+        return self.pool.layout.layer_from(chunk.token_start, chunk.token_end, chunk.sliding_from)
 
     def fail(self, res: Reservation, problem: str) -> ChunkResult:
         """The chunk is bad: the attempt fails (the gateway retries, re-prefills or gives up)."""
@@ -137,6 +150,7 @@ class KVReceiver:
             attempt.set_state(TransferState.TRANSFERRING)
         attempt.received[chunk.chunk_index] = (chunk.token_start, chunk.token_end)
         attempt.bytes_received += nbytes
+        attempt.window_trimmed |= chunk.sliding_from > chunk.token_start
         if chunk.last:
             attempt.total_chunks = chunk.total_chunks
             attempt.first_token = chunk.first_token
@@ -153,6 +167,9 @@ class KVReceiver:
         n = chunk.token_end - chunk.token_start
         if not (0 <= chunk.token_start < chunk.token_end <= prompt_tokens):
             return f"token range {chunk.token_start}..{chunk.token_end} outside prompt of {prompt_tokens}"
+        if chunk.sliding_from > layout.window_from(prompt_tokens):
+            return (f"sliding_from {chunk.sliding_from} leaves out KV decode needs (sliding layers from "
+                    f"{layout.window_from(prompt_tokens)} of a {prompt_tokens}-token prompt)")
         if (chunk.layer_start, chunk.layer_end) != (0, layout.layers):
             return f"layer range {chunk.layer_start}..{chunk.layer_end} != 0..{layout.layers}"
         if chunk.dtype != dtype_name(layout.dtype):

@@ -80,6 +80,7 @@ class TransferAttempt:
     rope_delta: int | None = None                   # the final chunk's (None: it carried none)
     prefill_ms: float | None = None
     bytes_received: int = 0
+    window_trimmed: bool = False                    # a chunk left out sliding layers' older KV: never cached
     first_chunk_at: float | None = None
     completed_at: float | None = None
     detail: str = ""
@@ -288,7 +289,9 @@ class ReservationTable:
         res.attempt.received.clear()
         res.attempt.landing.clear()
         res.attempt.done.set()
-        keep = min(cache_tokens // self.pool.block_size, len(res.prefix_keys)) if res.keys_verified else 0
+        # KV that arrived with its sliding layers trimmed to the window cannot serve another prompt's prefix
+        cacheable = res.keys_verified and not res.attempt.window_trimmed
+        keep = min(cache_tokens // self.pool.block_size, len(res.prefix_keys)) if cacheable else 0
         keep = max(keep, res.shared)
         owned, owner = res.owned, res.attempt.owner
         self.pool.check_owner(owned, owner, "free")      # nothing changes on a mismatch

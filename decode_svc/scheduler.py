@@ -252,7 +252,7 @@ class DecodeScheduler:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled
-            end = min(seq.prompt_len, start + min(budget, seq.prefill_chunk or budget))
+            end = seq.prompt.chunk_end(start, min(budget, seq.prefill_chunk or budget))   # whole image spans
             chunks.append((seq, start, end))
             budget -= end - start
 

@@ -64,6 +64,7 @@ class ReadyChunk:
     token_end: int
     payload: memoryview           # [layers, 2, tokens, kv_heads, head_dim] bytes: the pool's per-slot layout
     final: FinalChunk | None = None
+    sliding_from: int = 0         # sliding layers carry positions from here only (KVLayout.window_from; 0: all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class ChunkFraming:
             layer_start=0, layer_end=layout.layers, token_start=chunk.token_start, token_end=chunk.token_end,
             dtype=dtype_name(layout.dtype), shape=[layout.layers, 2, n, layout.kv_heads, layout.head_dim],
             payload_bytes=len(chunk.payload), checksum=payload_checksum(chunk.payload), last=chunk.final is not None,
+            sliding_from=chunk.sliding_from,
         )
         if chunk.final is not None:
             msg.total_chunks, msg.first_token = chunk.final.total_chunks, chunk.final.first.token_id

@@ -11,7 +11,10 @@ handed to its ``KVSender`` at once as a ``ReadyChunk`` (eager send: this schedul
 decides what is ready, the sender frames it and moves the bytes); when the last
 chunk is done the first token is sampled and travels with it, with the prompt's
 rope delta. A job's prompt is a ``PreparedPrompt`` (spliced embeddings, M-RoPE
-positions, DeepStack rows): each chunk is its ``item(start, end, blocks)``. Scratch blocks are
+positions, DeepStack rows): each chunk is its ``item(start, end, blocks)``. On a model with
+sliding-window layers (``trim_sliding``, on by default) a chunk carries those layers' KV only
+from the prompt's ``KVLayout.window_from`` on: decode never reads older positions there.
+Scratch blocks are
 freed as soon as the last chunk has been read out, on every path (done, cancelled,
 failed).
 """
@@ -60,14 +63,12 @@ class PrefillJob:
     def prompt_len(self) -> int:
         return len(self.prompt)
 
-    @property
-    def total_chunks(self) -> int:
-        return -(-self.prompt_len // self.chunk_tokens)
-
 
 class PrefillScheduler:
-    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, timings: TimingLog | None = None):
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, timings: TimingLog | None = None,
+                 trim_sliding: bool = True):
         self.adapter = adapter
+        self.trim_sliding = trim_sliding   # False only to measure the saving (bench/sliding_window_handoff.py)
         self.pool = pool
         self.max_batch = max_batch
         self.timings = timings or TimingLog()
@@ -130,7 +131,8 @@ class PrefillScheduler:
             self.active.append(job)
 
     async def _step(self, batch: list[PrefillJob]) -> None:
-        spans = [(job, job.next_start, min(job.prompt_len, job.next_start + job.chunk_tokens)) for job in batch]
+        # the prompt's chunking rule: never inside a bidirectional image span (PreparedPrompt.chunk_end)
+        spans = [(job, job.next_start, job.prompt.chunk_end(job.next_start, job.chunk_tokens)) for job in batch]
         started, started_ns = time.perf_counter(), time.time_ns()
         chunks, first_tokens = await asyncio.to_thread(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
@@ -147,7 +149,7 @@ class PrefillScheduler:
                 continue
             last = end == job.prompt_len
             final = FinalChunk(job.chunk_index + 1, first, job.compute_ms, job.prompt.rope_delta) if last else None
-            job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final))
+            job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final, self._sliding_from(job)))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
                 job.first_token = first.token_id
@@ -158,9 +160,19 @@ class PrefillScheduler:
         items = [job.prompt.item(s, e, job.blocks) for job, s, e in spans]
         logits = self.adapter.forward_packed(self.pool, items)
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
-        payloads = [memoryview(self.pool.read(job.blocks, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
+        payloads = [memoryview(self._read(job, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
         firsts = [None if l is None else self._sample_first(job, l) for l, (job, _, _) in zip(logits, spans)]
         return payloads, firsts
+
+    def _sliding_from(self, job: PrefillJob) -> int:
+        return self.pool.layout.window_from(job.prompt_len) if self.trim_sliding else 0
+
+    def _read(self, job: PrefillJob, start: int, end: int) -> torch.Tensor:
+        """The chunk's wire bytes: dense, or with sliding layers trimmed to the window decode needs."""
+        sliding_from = self._sliding_from(job)
+        if sliding_from <= start:
+            return self.pool.read(job.blocks, start, end)
+        return self.pool.read_wire(job.blocks, start, end, self.pool.layout.layer_from(start, end, sliding_from))
 
     def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> SampledToken:
         """The sequence's first token (no output yet), with its logprobs when asked for: they travel with it."""

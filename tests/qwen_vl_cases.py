@@ -91,7 +91,14 @@ def land_prefill(adapter: VLMAdapter, pool: KVBlockPool, blocks: list[int], prom
     chunks, first = events[:-1], events[-1]
     assert isinstance(first, FirstToken) and all(isinstance(c, KVChunk) for c in chunks)
     assert chunks[0].start == 0 and chunks[-1].end == len(prompt.ids)
-    assert all(a.end == b.start and b.end - b.start <= chunk_size for a, b in zip(chunks, chunks[1:]))
+    assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
+    if adapter.family.bidirectional_images:   # boundaries at image-span edges; a chunk longer than chunk_size holds a span
+        spans = image_runs(prompt.ids, adapter.image_token_id)
+        assert not any(s < c.end < e for c in chunks for s, e in spans), "a chunk cut a bidirectional image span"
+        assert all(c.end - c.start <= chunk_size or any(c.start <= s < e <= c.end and e - s > chunk_size - (s - c.start)
+                                                          for s, e in spans) for c in chunks)
+    else:
+        assert all(c.end - c.start <= chunk_size for c in chunks)
     for c in chunks:
         pool.write(blocks, c.start, c.kv, owner=pool.owner_of(blocks[0]))
     return first

@@ -158,3 +158,31 @@ def test_qwen_vl_mrope_batched_decode_is_token_identical_to_the_loop(qwen):
     assert len({tuple(t) for t in ref}) > 1, "degenerate model: every sequence gave the same tokens"
     for a, b in zip(got_logits, ref_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5, 16], ids=lambda w: f"window-{w}")
+@pytest.mark.parametrize("kernel", BATCHED)
+def test_batched_kernel_equals_the_loop_with_image_spans_and_a_window(kernel, window):
+    """Gemma 3's masks: prompt chunks holding bidirectional image runs (``key_limits``: an image token
+    sees up to its run's end) and a sliding window, beside decodes; the batched kernel equals the loop."""
+    layout = KVLayout(layers=1, kv_heads=2, head_dim=16, dtype=torch.float32)
+    pool = KVBlockPool(layout, num_blocks=64, block_size=4)
+    items, _ = _mixed_row(pool, hidden=8)
+    for item in items:
+        if item.q_len > 1:   # a run of image tokens in the middle of each chunk
+            positions = torch.arange(item.start, item.start + item.q_len)
+            lo, hi = item.start + item.q_len // 4, item.start + 3 * item.q_len // 4
+            item.key_limits = torch.where((positions >= lo) & (positions < hi), hi - 1, positions)
+    row = pack(pool, items, PositionKind.ONE_D, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
+    query = torch.randn(1, 4, sum(i.q_len for i in items), 16, generator=gen)
+    k_blocks, v_blocks = pool.kv[0, 0], pool.kv[0, 1]
+    ref = attention_reference.attend_loop(query, k_blocks.reshape(-1, 2, 16), v_blocks.reshape(-1, 2, 16), row.spans,
+                                          0.25, window)
+    out = attention_kernels.attend(kernel, query, k_blocks, v_blocks, row.groups, 0.25, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    plain = attention_reference.attend_loop(query, k_blocks.reshape(-1, 2, 16), v_blocks.reshape(-1, 2, 16),
+                                            pack(pool, [PackedItem(i.embeds, i.start, i.blocks) for i in items],
+                                                 PositionKind.ONE_D, torch.device("cpu")).spans, 0.25)
+    assert not torch.allclose(ref, plain), "the spans and the window must change the result"

@@ -382,3 +382,32 @@ def test_prefix_cache_summary_reads_turns_two_on() -> None:
 
     text = first_turn_text(300, random.Random(0), ["red", "circle"])
     assert len(text.split()) > 300 and set(text.split()[:300]) <= {"red", "circle"}
+
+
+def test_sliding_window_handoff_frames_trimmed_chunks_that_decode_accepts() -> None:
+    """``bench.sliding_window_handoff`` frames the same prompt dense and trimmed; the trimmed chunks
+    carry the layout's bytes and land through the decode receiver (the bench's numbers are from its run)."""
+    import time
+
+    import torch
+
+    from bench.sliding_window_handoff import frame
+    from decode_svc.kv_receiver import ChunkOutcome, KVReceiver
+    from decode_svc.reservations import ReservationTable
+    from runtime.model.kv_pool import KVBlockPool, KVLayout
+    from runtime.worker.transfer_state import TransferState
+
+    layout = KVLayout(6, 1, 4, torch.float32, sliding_layers=(0, 1, 2, 3, 4), sliding_window=16)
+    pool = KVBlockPool(layout, num_blocks=8, block_size=16)
+    blocks = pool.allocate(100)
+    dense, trimmed = (frame(pool, blocks, 100, 32, "fp", t) for t in (False, True))
+    assert sum(len(m.payload) for m in dense) == 100 * layout.bytes_per_token
+    assert sum(len(m.payload) for m in trimmed) == layout.wire_bytes(0, 100, 85) == (100 + 5 * 15) * layout.layer_token_bytes
+    table = ReservationTable(KVBlockPool(layout, num_blocks=8, block_size=16))
+    res = table.reserve("bench", 100, 1, time.monotonic() + 30, "bench-digest", "fp")
+    receiver = KVReceiver(table, table.pool)
+    for m in trimmed:
+        m.reservation.reservation_id, m.reservation.generation = res.reservation_id, 1
+        assert receiver.land(m).outcome == ChunkOutcome.ACCEPTED
+    assert res.attempt.state == TransferState.SUCCESS
+    table.release(res.reservation_id)

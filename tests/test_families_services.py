@@ -1,4 +1,4 @@
-"""LLaVA-OneVision, LLaVA-NeXT, Idefics3 and SmolVLM through the services (issue 18): real processes, real gRPC.
+"""LLaVA-OneVision, LLaVA-NeXT, Idefics3, SmolVLM and Gemma 3 through the services (issue 18): real processes, real gRPC.
 
 Per family (a module-scoped stack, torn down before the next family's): the tiny
 random checkpoint (``epd demo-model --family``'s builder), one encoder, one decode
@@ -36,6 +36,7 @@ from gateway.openai_schema import ChatCompletionRequest
 from gateway.orchestrator import Orchestrator
 from gateway.prompt import PromptBuilder
 from gateway.settings import GatewaySettings
+from runtime.demo_model.gemma3 import build_gemma3
 from runtime.demo_model.idefics3 import SplitFamily, build_idefics3
 from runtime.demo_model.llava_anyres import AnyResFamily, build_llava_anyres
 from runtime.model.model_adapter import VLMAdapter
@@ -44,7 +45,8 @@ from runtime.model.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(300)
 
 SERVED = "family-tiny"
-BUILDERS = {**{f.value: build_llava_anyres for f in AnyResFamily}, **{f.value: build_idefics3 for f in SplitFamily}}
+BUILDERS = {**{f.value: build_llava_anyres for f in AnyResFamily}, **{f.value: build_idefics3 for f in SplitFamily},
+            "gemma3": build_gemma3}
 MAX_TOKENS = NEW_TOKENS
 
 
@@ -164,7 +166,7 @@ async def test_output_is_token_identical_to_generate(stack, leaks, placement, ch
     async with orchestrator(stack, placement, chunk_tokens, leaks) as o:
         got = {name: await run(o, stack, r) for name, r in stack.requests.items()}
     assert got == {name: (r.expected, r.finish) for name, r in stack.requests.items()}
-    if chunk_tokens < 4096:    # the chunks really cut image spans
+    if chunk_tokens < 4096:    # the plain boundaries really cut image spans
         three = stack.requests["three-images"].ids
         runs = image_runs(three, stack.adapter.image_token_id)
         assert any(s < b < e for s, e in runs for b in range(chunk_tokens, len(three), chunk_tokens))

@@ -25,6 +25,7 @@ from transformers import (
     LlavaOnevisionConfig,
     MistralConfig,
     MllamaConfig,
+    PaliGemmaConfig,
     Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2VLConfig,
@@ -60,7 +61,7 @@ def tiny_internvl(**text) -> InternVLConfig:
 
 
 REFUSED = {
-    "gemma3": (lambda: Gemma3Config(), "Gemma3ForConditionalGeneration", "bidirectional"),
+    "paligemma": (lambda: PaliGemmaConfig(), "PaliGemmaForConditionalGeneration", "bidirectional"),
     "mllama": (lambda: MllamaConfig(), "MllamaForConditionalGeneration", "cross-attention"),
 }
 
@@ -99,6 +100,9 @@ def test_adapter_and_prompt_builder_refuse_before_loading_anything(tmp_path, nam
      None, "M-RoPE"),
     (lambda: LlavaConfig(vision_config={"model_type": "pixtral"}), None, "vision tower 'pixtral'"),
     (lambda: LlavaConfig(text_config={"model_type": "gemma3_text"}), None, "decoder 'gemma3_text'"),
+    (lambda: Gemma3Config(text_config={"attn_logit_softcapping": 50.0}), "Gemma3ForConditionalGeneration", "soft-capping"),
+    (lambda: Gemma3Config(text_config={"layer_types": ["chunked_attention"] * 26}), "Gemma3ForConditionalGeneration",
+     "chunked_attention"),
     (lambda: LlavaConfig(architectures=None, image_grid_pinpoints=[[336, 672]]), None, "anyres"),
 ])
 def test_config_details_that_break_the_split_are_refused(tmp_path, config, architecture, why):
@@ -138,7 +142,8 @@ def test_the_qwen_vl_families_pass(tmp_path, config, architecture):
     (lambda: LlavaOnevisionConfig(), "LlavaOnevisionForConditionalGeneration"),
     (lambda: Idefics3Config(), "Idefics3ForConditionalGeneration"),
     (lambda: SmolVLMConfig(), "SmolVLMForConditionalGeneration"),
-], ids=["llava_next", "llava_onevision", "idefics3", "smolvlm"])
+    (lambda: Gemma3Config(), "Gemma3ForConditionalGeneration"),
+], ids=["llava_next", "llava_onevision", "idefics3", "smolvlm", "gemma3"])
 def test_the_tiling_and_splitting_families_pass(tmp_path, config, architecture):
     """Issue 18: image_grid_pinpoints (tiles) are accepted for LLaVA-NeXT and OneVision (still refused for LLaVA,
     above), and the image-splitting Idefics3 and SmolVLM."""
@@ -161,7 +166,7 @@ def test_epd_serve_exits_with_the_one_line_before_spawning(tmp_path, name):
 def test_a_single_process_refuses_with_the_one_line(tmp_path, role):
     """``epd decode`` (or any one process) started by hand, as in compose and Kubernetes: the
     same one line and exit status 2, no traceback."""
-    make, architecture, why = REFUSED["gemma3"]
+    make, architecture, why = REFUSED["paligemma"]
     path = checkpoint(tmp_path, make(), architecture)
     done = subprocess.run([sys.executable, "-m", "launcher.cli", role, "--model", str(path), "--port", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -11,8 +11,15 @@ layout that every kernel in ``attention_kernels`` shares:
   ``ctx_lens[b]`` slots of its blocks laid end to end (``S = N * block_size``);
 * ``ctx_lens [B]``, ``q_starts [B]`` (= ``ctx_len - q_len``: the new tokens are the
   context's tail), and ``mask [B, 1, Q, S]``: key ``s`` is visible to query ``i`` of
-  sequence ``b`` when ``s <= q_starts[b] + i`` and ``s < ctx_lens[b]``. A padded query
-  row sees the valid keys (never an empty row, so no NaN), and is dropped.
+  sequence ``b`` when ``s <= q_limits[b, i]`` and ``s < ctx_lens[b]``. ``q_limits`` is the
+  query's own position (causal) unless the item gave ``key_limits``: a token of an image span
+  that attends bidirectionally (Gemma 3) sees up to the span's last token, which the chunker
+  keeps in the same chunk. A padded query row sees the valid keys (never an empty row, so no
+  NaN), and is dropped.
+* sliding-window layers (``window_mask(W)``, built once per forward per window and cached in
+  ``kernel_state``): the mask above AND ``s > position - W`` (the query's own position,
+  transformers' ``sliding_window_overlay``), so an image token still sees its span's later
+  tokens but no key ``W`` or more positions back.
 
 Invariant: ``out_index`` lists the packed rows of the valid queries in the order
 ``q_valid`` selects them, so ``out[out_index] = result[q_valid]`` writes each new
@@ -36,7 +43,9 @@ class AttentionGroup:
     block_table: torch.Tensor  # [B, N] long
     ctx_lens: torch.Tensor     # [B] long
     q_starts: torch.Tensor     # [B] long
-    mask: torch.Tensor | None  # [B, 1, Q, S] bool; None when B == 1 and the chunk is the whole context
+    mask: torch.Tensor | None  # [B, 1, Q, S] bool; None when B == 1, the chunk is the whole context and causal
+    q_positions: torch.Tensor  # [B, Q] long: each query's position (padded rows: the last valid one)
+    q_limits: torch.Tensor     # [B, Q] long: the last key position each query sees (its position when causal)
     max_ctx: int               # the longest context (keys past it are never visible)
     block_size: int
     one_run_start: int | None = None  # B == 1 with consecutive blocks: first block of its context (no gather)
@@ -50,10 +59,31 @@ class AttentionGroup:
     def max_q(self) -> int:
         return int(self.q_index.shape[1])
 
+    def window_mask(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with sliding ``window`` (``None``: a full-attention layer, ``self.mask``).
+        A window no context reaches past changes nothing, so the plain mask (or causal path) is kept."""
+        if window is None or self.max_ctx <= window:
+            return self.mask
+        key = ("window", window)
+        mask = self.kernel_state.get(key)
+        if mask is None:
+            keys = torch.arange(self.block_table.shape[1] * self.block_size, device=self.q_limits.device)
+            mask = _visible(keys, self.q_limits, self.ctx_lens)
+            mask &= keys[None, None, :] > (self.q_positions - window)[:, :, None]
+            mask = self.kernel_state[key] = mask.unsqueeze(1)
+        return mask
+
+
+def _visible(keys: torch.Tensor, q_limits: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    """``[B, Q, S]``: key ``s`` visible to query ``i`` of sequence ``b`` (window left out)."""
+    return (keys[None, None, :] <= q_limits[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
+
 
 def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
-                block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> AttentionGroup:
-    """One group from per-sequence facts (all lists of the same length B >= 1)."""
+                block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device,
+                key_limits: Sequence[torch.Tensor | None] | None = None) -> AttentionGroup:
+    """One group from per-sequence facts (all lists of the same length B >= 1). ``key_limits[b]``,
+    when given and not ``None``: ``[q_len]`` absolute positions, the last key each new token sees."""
     b = len(q_offsets)
     max_q = max(q_lens)
     max_ctx = max(ctx_lens)
@@ -71,12 +101,17 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
     q_valid = rows[None, :] < lens[:, None]
     q_index = torch.where(q_valid, offsets[:, None] + rows[None, :], torch.zeros((), dtype=torch.long))
     q_starts = ctx - lens
+    q_pos = torch.minimum(q_starts[:, None] + rows[None, :], (ctx - 1)[:, None])    # [B, Q]
+    q_limits = q_pos.clone()
+    bidirectional = False
+    for i, limits in enumerate(key_limits or ()):
+        if limits is not None:
+            q_limits[i, : q_lens[i]] = torch.maximum(limits.to("cpu", torch.long), q_pos[i, : q_lens[i]])
+            bidirectional = True
     mask = None
-    if not (b == 1 and q_lens[0] == ctx_lens[0] and q_lens[0] > 1):
+    if bidirectional or not (b == 1 and q_lens[0] == ctx_lens[0] and q_lens[0] > 1):
         keys = torch.arange(n_blocks * block_size)
-        q_pos = q_starts[:, None] + rows[None, :]                                   # [B, Q]
-        mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
-        mask = mask.unsqueeze(1).to(device)                                         # [B, 1, Q, S]
+        mask = _visible(keys, q_limits, ctx).unsqueeze(1).to(device)                # [B, 1, Q, S]
     one_run = None
     if b == 1:
         first = table[0, : -(-ctx_lens[0] // block_size)]
@@ -85,17 +120,19 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
     return AttentionGroup(
         q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
         block_table=table.to(device), ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
-        max_ctx=max_ctx, block_size=block_size, one_run_start=one_run,
+        q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, one_run_start=one_run,
     )
 
 
 def build_groups(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
-                 block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> list[AttentionGroup]:
+                 block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device,
+                 key_limits: Sequence[torch.Tensor | None] | None = None) -> list[AttentionGroup]:
     """The decodes (q_len 1) as one group and the prompt chunks as another; empty groups left out."""
     groups = []
+    limits = list(key_limits) if key_limits is not None else [None] * len(q_lens)
     for want_decode in (True, False):
         idx = [i for i, q in enumerate(q_lens) if (q == 1) == want_decode]
         if idx:
             groups.append(build_group([q_offsets[i] for i in idx], [q_lens[i] for i in idx], [ctx_lens[i] for i in idx],
-                                      [block_tables[i] for i in idx], block_size, device))
+                                      [block_tables[i] for i in idx], block_size, device, [limits[i] for i in idx]))
     return groups

@@ -6,7 +6,11 @@
                     each KV head's query heads as rows, so GQA needs no K/V expansion)
     flex_attention  CUDA, where ``torch.nn.attention.flex_attention`` imports: the same
                     gathered layout, masked by a block mask built once per forward from
-                    ``ctx_lens`` / ``q_starts`` (fully masked tiles are skipped), compiled
+                    ``ctx_lens`` / ``q_limits`` (fully masked tiles are skipped), compiled
+
+Both honour a layer's sliding window (``window``: transformers passes the layer's
+``sliding_window``, ``None`` for full attention) and bidirectional image spans (the
+group's ``q_limits``), exactly as ``AttentionGroup.window_mask`` states the rule.
 
 ``select_kernel`` picks one at start-up (``auto``: flex_attention on CUDA when available,
 else sdpa_padded); the worker reports the choice in its stats (``/status``). RoPE (1-D or
@@ -70,18 +74,19 @@ def group_queries(query: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     return query[0][:, group.q_index].transpose(0, 1)
 
 
-def sdpa_padded(q, k, v, group: AttentionGroup, scaling: float | None) -> torch.Tensor:
+def sdpa_padded(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None) -> torch.Tensor:
     b, heads, q_len, dim = q.shape
     kv_heads = k.shape[1]
-    if q_len == 1 and group.mask is not None:
+    full = group.window_mask(window)
+    if q_len == 1 and full is not None:
         # decodes: the G query heads sharing a KV head become G query rows of that head (one query
         # position, so one mask row serves them all); no K/V expansion for GQA
         qg = q.reshape(b, kv_heads, heads // kv_heads, dim)
-        mask = group.mask if b > 1 else group.mask[..., : k.shape[2]]
+        mask = full if b > 1 else full[..., : k.shape[2]]
         return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling).reshape(b, heads, 1, dim)
-    if group.mask is None:      # a lone chunk that is its whole context: the prompt's own causal call
+    if full is None:      # a lone causal chunk that is its whole context: the prompt's own causal call
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-    mask = group.mask if q.shape[0] > 1 else group.mask[..., : k.shape[2]]
+    mask = full if q.shape[0] > 1 else full[..., : k.shape[2]]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
@@ -91,31 +96,35 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def flex(q, k, v, group: AttentionGroup, scaling: float | None) -> torch.Tensor:
+def flex(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    block_mask = group.kernel_state.get("block_mask")
+    window = None if window is None or group.max_ctx <= window else window
+    key = ("block_mask", window)
+    block_mask = group.kernel_state.get(key)
     if block_mask is None or block_mask.shape[-1] != k.shape[2]:
-        ctx_lens, q_starts = group.ctx_lens, group.q_starts
+        ctx_lens, q_limits, q_positions = group.ctx_lens, group.q_limits, group.q_positions
 
         def visible(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_starts[b] + q_idx) & (kv_idx < ctx_lens[b])
+            seen = (kv_idx <= q_limits[b, q_idx]) & (kv_idx < ctx_lens[b])
+            return seen if window is None else seen & (kv_idx > q_positions[b, q_idx] - window)
 
         block_mask = create_block_mask(visible, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-        group.kernel_state["block_mask"] = block_mask
+        group.kernel_state[key] = block_mask
     fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=True)
 
 
 def attend(kernel: str, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-           groups: list[AttentionGroup], scaling: float | None) -> torch.Tensor:
-    """``[T, H, D]``: every group's queries attended in one call each, scattered back to packed rows."""
+           groups: list[AttentionGroup], scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """``[T, H, D]``: every group's queries attended in one call each, scattered back to packed rows
+    (``window``: the layer's sliding window, ``None`` for full attention)."""
     fn = flex if kernel == "flex_attention" else sdpa_padded
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     for group in groups:
         q = group_queries(query, group)
         k = gather_context(k_blocks, group, q.dtype, "k")
         v = gather_context(v_blocks, group, q.dtype, "v")
-        o = fn(q, k, v, group, scaling).transpose(1, 2)            # [B, Q, H, D]
+        o = fn(q, k, v, group, scaling, window).transpose(1, 2)            # [B, Q, H, D]
         out[group.out_index] = o[group.q_valid]
     return out

@@ -23,21 +23,28 @@ def _context(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def attend_loop(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: list[SequenceSpan],
-                scaling: float | None) -> torch.Tensor:
-    """``[T, H, D]``; ``k_pool``/``v_pool`` are flat ``[slots, KVH, D]``."""
+                scaling: float | None, window: int | None = None) -> torch.Tensor:
+    """``[T, H, D]``; ``k_pool``/``v_pool`` are flat ``[slots, KVH, D]``. A query at position ``p``
+    sees key ``s`` when ``s <= p`` (or ``s <= key_limit``, a bidirectional image span) and, on a
+    sliding layer (``window``), ``s > p - window``."""
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     for span in spans:
         q = query[:, :, span.q_offset: span.q_offset + span.q_len]          # [1, H, q, D]
         k = _context(k_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
         v = _context(v_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)
         ctx_len = k.shape[2]
-        if span.q_len == 1:
+        windowed = window is not None and ctx_len > window
+        if span.key_limit is None and not windowed and span.q_len == 1:
             o = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)
-        elif span.q_len == ctx_len:
+        elif span.key_limit is None and not windowed and span.q_len == ctx_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             q_pos = torch.arange(ctx_len - span.q_len, ctx_len, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(ctx_len, device=q.device)[None, :]
+            limit = q_pos if span.key_limit is None else torch.maximum(span.key_limit.to(q.device), q_pos)
+            keys = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = keys <= limit[:, None]
+            if windowed:
+                mask &= keys > (q_pos - window)[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[span.q_offset: span.q_offset + span.q_len] = o[0].transpose(0, 1)
     return out

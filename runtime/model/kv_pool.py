@@ -20,6 +20,18 @@ transfer generation into the same blocks: the old generation's writes are fenced
 Freeing a block twice raises (double free is a bookkeeping bug, never ignored).
 Capacity is counted in blocks; nothing is allocated per request after start-up.
 
+Sliding-window layers (Gemma 3; ``KVLayout.sliding_layers``, ``sliding_window`` W): a
+query at position ``p`` of such a layer reads no key before ``p - W + 1``, so after a
+prompt of ``n`` tokens decode needs those layers' KV only from ``window_from(n) =
+n - W + 1`` on. The handoff sends no more (``*_wire`` and ``host_views`` with
+``layer_from``: per layer, the first position carried). Choice: every layer keeps one
+slot per position in the pool (a block holds all layers, so a block cannot be freed for
+some layers only); a sliding layer's slots before ``window_from`` stay unwritten on the
+receiving side and are never read, because the mask excludes them. The saving is on the
+wire, not in the pool, and so the reservation size is unchanged; such a sequence's
+blocks are never handed to the prefix cache (a later prompt's chunks would read
+positions its sliding layers lack).
+
 Prefix cache (``prefix_cache=True``): a block is FREE, OWNED (one owner token, writable)
 or CACHED (tag ``CACHED``: immutable KV under a key, ``runtime/model/prefix_keys.py``,
 shared by reference count). ``cache`` turns a retiring holder's full prompt blocks into
@@ -49,13 +61,38 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_layers: tuple[int, ...] = ()   # layers with a sliding window (the rest attend to every position)
+    sliding_window: int | None = None      # W: a sliding layer at position p reads keys p-W+1..p
 
     @property
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def layer_token_bytes(self) -> int:
+        """One layer's K and V of one position."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
     def describe(self) -> str:
-        return f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
+        base = f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
+        if self.sliding_layers:
+            base += f":W{self.sliding_window}@{','.join(map(str, self.sliding_layers))}"
+        return base
+
+    def window_from(self, prompt_tokens: int) -> int:
+        """The first position a sliding layer's KV is needed from once ``prompt_tokens`` are in (0: all)."""
+        if not self.sliding_layers or self.sliding_window is None:
+            return 0
+        return max(0, prompt_tokens - self.sliding_window + 1)
+
+    def layer_from(self, start: int, end: int, sliding_from: int) -> list[int]:
+        """Per layer, the first position of ``start..end`` carried when sliding layers start at ``sliding_from``."""
+        sliding = set(self.sliding_layers)
+        return [min(end, max(start, sliding_from)) if layer in sliding else start for layer in range(self.layers)]
+
+    def wire_bytes(self, start: int, end: int, sliding_from: int = 0) -> int:
+        """Bytes of positions ``start..end`` on the wire (sliding layers from ``sliding_from``)."""
+        return sum(end - f for f in self.layer_from(start, end, sliding_from)) * self.layer_token_bytes
 
 
 FREE = 0   # the owner token of a free block; issued tokens start at 1
@@ -284,11 +321,13 @@ class KVBlockPool:
         """Whether the pool lives in host memory, so sockets can write into it directly."""
         return self.kv.device.type == "cpu"
 
-    def host_views(self, blocks: list[int], start: int, end: int, *, owner: int) -> list[memoryview] | None:
+    def host_views(self, blocks: list[int], start: int, end: int, *, owner: int,
+                   layer_from: list[int] | None = None) -> list[memoryview] | None:
         """Writable byte views of positions ``start..end``, in wire order, or ``None`` off the CPU.
 
         Concatenated, the views are exactly a wire chunk ``[layers, 2, n, kv_heads, head_dim]``:
-        for each layer, K then V, each run of adjacent slots. A socket can ``recv_into`` them
+        for each layer, K then V, each run of adjacent slots (with ``layer_from``, layer ``l``'s
+        positions ``layer_from[l]..end`` only: the trimmed wire form, see the module doc). A socket can ``recv_into`` them
         one after another, so the bytes of a chunk land in the pool with no staging copy.
         Handed out only while ``blocks`` belong to ``owner`` (``StaleBlocksError`` otherwise).
         The views alias the pool: the caller must stop writing once the blocks change owner
@@ -297,12 +336,43 @@ class KVBlockPool:
         if not self.host_resident:
             return None
         self.check_owner(blocks, owner, "host view")
-        runs = self.runs(blocks, start, end)
         as_bytes = self._flat.view(torch.uint8)
+        if layer_from is None:
+            runs = self.runs(blocks, start, end)
+            return [
+                memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
+                for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs
+            ]
+        runs_from = {f: self.runs(blocks, f, end) for f in set(layer_from)}
         return [
             memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
-            for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs
+            for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs_from[layer_from[layer]]
         ]
+
+    def read_wire(self, blocks: list[int], start: int, end: int, layer_from: list[int]) -> torch.Tensor:
+        """Positions ``start..end`` in the trimmed wire form (flat bytes; layer ``l`` from ``layer_from[l]``)."""
+        out = []   # per layer its K positions then its V positions: the order host_views gives
+        for layer, first in enumerate(layer_from):
+            piece = self._flat.new_empty((2, end - first, self.layout.kv_heads, self.layout.head_dim))
+            for pos, slot, length in self.runs(blocks, first, end):
+                piece[:, pos - first: pos - first + length] = self._flat[layer, :, slot: slot + length]
+            out.append(piece.reshape(-1))
+        return torch.cat(out).view(torch.uint8)
+
+    def write_wire(self, blocks: list[int], start: int, end: int, payload: torch.Tensor, layer_from: list[int], *,
+                   owner: int) -> None:
+        """Land ``read_wire``'s form (flat ``uint8``) of positions ``start..end``, only while ``blocks``
+        belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
+        self.check_owner(blocks, owner)
+        values = payload.to(self.kv.device).view(self.kv.dtype)
+        per_pos = self.layout.kv_heads * self.layout.head_dim
+        cursor = 0
+        for layer, first in enumerate(layer_from):
+            n = end - first
+            piece = values[cursor: cursor + 2 * n * per_pos].view(2, n, self.layout.kv_heads, self.layout.head_dim)
+            cursor += 2 * n * per_pos
+            for pos, slot, length in self.runs(blocks, first, end):
+                self._flat[layer, :, slot: slot + length] = piece[:, pos - first: pos - first + length]
 
     def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""

@@ -97,10 +97,12 @@ class VLMAdapter:
             kv_heads=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads),
             head_dim=int(head_dim),
             dtype=next(model.parameters()).dtype,
+            **sliding_layout(text_config),
         )
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else text_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.final_softcap = float(getattr(text_config, "final_logit_softcapping", None) or 0.0)
         paged_attention.register()
         text_config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
         self._decoder = model.model.language_model if hasattr(model.model, "language_model") else model.get_decoder()
@@ -193,7 +195,8 @@ class VLMAdapter:
         if images and images[0].deepstack is not None:
             deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
         plan = self.family.position_plan(token_ids, [e.grid for e in images])
-        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack)
+        spans = tuple(families.image_spans(token_ids, self.image_token_id)) if self.family.bidirectional_images else ()
+        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans)
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput]) -> torch.Tensor:
@@ -226,6 +229,8 @@ class VLMAdapter:
         if wanted:
             last = hidden[[row.spans[i].q_offset + row.spans[i].q_len - 1 for i in wanted]]
             logits = self._lm_head(last).float()
+            if self.final_softcap:   # the model's own head does this after lm_head (Gemma)
+                logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
             for r, i in enumerate(wanted):
                 results[i] = logits[r]
         return results
@@ -251,10 +256,12 @@ class VLMAdapter:
         if blocks is None:  # a capacity problem of this worker, not the client's mistake
             raise MemoryError(f"prompt of {n} tokens does not fit the free KV blocks ({pool.free_blocks} free)")
         try:
-            for index, start in enumerate(range(0, n, chunk_size)):
-                end = min(n, start + chunk_size)
+            index, start = 0, 0
+            while start < n:
+                end = prompt.chunk_end(start, chunk_size)   # never inside a bidirectional image span
                 (logits,) = self.forward_packed(pool, [prompt.item(start, end, blocks)])
                 yield KVChunk(index, start, end, pool.read(blocks, start, end).clone())
+                index, start = index + 1, end
             first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
             yield FirstToken(first.token_id, prompt.rope_delta, first)
         finally:
@@ -271,6 +278,16 @@ class VLMAdapter:
         logits = self.forward_packed(pool, items)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]
+
+
+def sliding_layout(text_config) -> dict:
+    """``KVLayout``'s sliding-window fields from the decoder config (empty without sliding layers)."""
+    types = list(getattr(text_config, "layer_types", None) or [])
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = getattr(text_config, "sliding_window", None)
+    if not sliding or window is None:
+        return {}
+    return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
 def model_fingerprint(path: Path, layout: KVLayout) -> str:

@@ -10,6 +10,10 @@ token) with where they go in the KV pool and what positions they have:
   3-D position ``p + rope_delta`` on all three axes for sequence position ``p``).
   One of the two is required: a missing delta is an error, never a silent 0.
 
+``key_limits`` (families whose image tokens attend bidirectionally, Gemma 3): ``[q_len]``
+absolute positions, the last key each new token sees (an image token: its span's last
+token, in the same chunk; a text token: itself). ``None`` is causal.
+
 ``deepstack`` (Qwen3-VL) is the item's share of the prompt's DeepStack features:
 which of its tokens are image tokens, and those tokens' rows of every level.
 
@@ -52,6 +56,7 @@ class PackedItem:
     positions: torch.Tensor | None = None   # M-RoPE: [3, q_len] position ids of the new tokens
     rope_delta: int | None = None           # M-RoPE: position = sequence position + rope_delta (all axes)
     deepstack: DeepStackShare | None = None
+    key_limits: torch.Tensor | None = None  # [q_len] long: bidirectional image spans (None: causal)
 
     @property
     def q_len(self) -> int:
@@ -92,7 +97,7 @@ def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, dev
     for item in items:
         q_len, end = item.q_len, item.start + item.q_len
         context = pool.runs(item.blocks, 0, end)
-        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context]))
+        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits))
         for pos, slot, length in context:   # the new tokens' own slots: the context's tail
             if pos + length > item.start:
                 new_slots.extend(range(slot + max(0, item.start - pos), slot + length))
@@ -114,5 +119,5 @@ def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, dev
         deepstack = list(stacked.unbind(0))
     slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=device)
     groups = build_groups([s.q_offset for s in spans], [s.q_len for s in spans], [i.start + i.q_len for i in items],
-                          [i.blocks for i in items], pool.block_size, device)
+                          [i.blocks for i in items], pool.block_size, device, [i.key_limits for i in items])
     return PackedRow(embeds, position_ids, slot_mapping, spans, visual_mask, deepstack, groups)

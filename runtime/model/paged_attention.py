@@ -39,6 +39,7 @@ _paged_forward_active: contextvars.ContextVar[bool] = contextvars.ContextVar("ep
 
 def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     batch: PagedBatch | None = kwargs.pop("epd_batch", None)
+    window = kwargs.pop("sliding_window", None) if batch is not None else None   # a sliding layer's (Gemma 3)
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query [1, H, T, D]; key/value [1, KVH, T, D] (RoPE already applied)
@@ -50,9 +51,9 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     k_pool[batch.slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
     v_pool[batch.slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
     if batch.kernel == attention_reference.KERNEL:
-        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling)
+        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window)
     else:
-        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling)
+        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window)
     return out.unsqueeze(0), None
 
 

@@ -14,6 +14,7 @@ class SequenceSpan:
     q_offset: int            # first of this sequence's new tokens in the packed row
     q_len: int               # number of new tokens
     context_runs: list[tuple[int, int]]  # (first slot, length) covering positions 0..ctx_len-1 in order
+    key_limit: torch.Tensor | None = None  # [q_len]: last key position each new token sees (None: causal)
 
 
 @dataclass(slots=True)

@@ -1,9 +1,9 @@
 """Which checkpoints epd can serve, decided from the config before any weights load.
 
-A checkpoint the split does not support must never start: a Gemma 3 model would
-answer every request with wrong text (its image tokens need bidirectional
-attention the chunked prefill does not build), an Mllama model would fail
-every request (cross-attention to the image). ``check_checkpoint`` reads only
+A checkpoint the split does not support must never start: a PaliGemma model would
+answer every request with wrong text (its image prefix needs bidirectional
+attention the families marked ``bidirectional`` alone build), an Mllama model would
+fail every request (cross-attention to the image). ``check_checkpoint`` reads only
 ``config.json`` (and the image processor's config) and raises
 ``UnsupportedModel`` with one line naming the architecture, its model_type,
 what is wrong and the supported list. Called by every process that loads a
@@ -19,9 +19,11 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   turns into one embedding per image: one tile per image, or the model's own
   packing of any-resolution tiles for the families marked ``anyres``;
 * a decoder of a ``text_model_types`` type: causal self-attention through
-  transformers' attention interface over every layer (no sliding window
-  shorter than the context, no cross-attention, no bidirectional image
-  tokens), and RoPE with a static frequency table (no sequence-length-dependent
+  transformers' attention interface over every layer (no cross-attention; no
+  sliding window shorter than the context, nor bidirectional image tokens,
+  except for the families marked ``sliding`` and ``bidirectional``, whose layers
+  are ``full_attention`` / ``sliding_attention``; no attention logit
+  soft-capping), and RoPE with a static frequency table (no sequence-length-dependent
   "dynamic"/"longrope" scaling, whose frequencies would change with what else is
   packed into a step): 1-D for most families, M-RoPE (``mrope_section``, 3-D
   position ids) only for the families marked ``mrope``.
@@ -59,6 +61,8 @@ class Family:
     mrope: bool = False      # 3-D M-RoPE positions (and a per-sequence rope delta) instead of 1-D RoPE
     anyres: bool = False     # any-resolution tiles (image_grid_pinpoints) packed by the model's own code
     processor_needs: str | None = None   # a package the checkpoint's processor imports (refused where missing)
+    sliding: bool = False    # interleaved sliding-window layers (layer_types), honoured by the paged attention
+    bidirectional: bool = False  # image tokens attend bidirectionally within their image (token_type_ids mask)
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -81,6 +85,8 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"smolvlm_vision"}), frozenset({"llama"})),
     Family("Mistral 3", "Mistral3ForConditionalGeneration", "mistral3",
            frozenset({"pixtral"}), frozenset({"mistral"}), processor_needs="torchvision"),
+    Family("Gemma 3", "Gemma3ForConditionalGeneration", "gemma3",
+           frozenset({"siglip_vision_model"}), frozenset({"gemma3_text"}), sliding=True, bidirectional=True),
     Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
            frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -91,7 +97,7 @@ FAMILIES: tuple[Family, ...] = (
 
 # model_type -> why not (yet): only for a clearer message
 KNOWN_UNSUPPORTED: Mapping[str, str] = {
-    "gemma3": "image tokens need bidirectional attention (token_type_ids mask)",
+    "gemma4": "not yet through the split (its own vision tower, per-layer input embeddings)",
     "paligemma": "the image prefix needs bidirectional attention",
     "llava_next_video": "video inputs",
     "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
@@ -137,6 +143,8 @@ def check_config(config: PretrainedConfig, image_processor: Mapping[str, Any] | 
     problem = _vision_problem(config, family) or _decoder_problem(config, family)
     if problem is None and image_processor and image_processor.get("crop_to_patches"):
         problem = "image processor crop_to_patches=true (multi-tile images) is not supported; set it to false"
+    if problem is None and image_processor and image_processor.get("do_pan_and_scan"):
+        problem = "image processor do_pan_and_scan=true (extra crops per image) is not supported; set it to false"
     if problem is not None:
         raise UnsupportedModel(f"{_name(config.to_dict())}: {problem}; supported: {supported_list()}")
 
@@ -174,13 +182,22 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
         return f"decoder {text.model_type!r} is not supported"
     if getattr(config, "cross_attention_layers", None) or getattr(text, "cross_attention_layers", None):
         return "cross-attention layers are not supported"
+    if getattr(text, "attn_logit_softcapping", None):
+        return "attention logit soft-capping is not supported"
+    if getattr(text, "use_bidirectional_attention", False):
+        return "bidirectional attention over text tokens (use_bidirectional_attention) is not supported"
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"attention layer types {sorted(layer_types)} are not supported (only full_attention)"
+    allowed = {"full_attention", "sliding_attention"} if family.sliding else {"full_attention"}
+    if not layer_types <= allowed:
+        return f"attention layer types {sorted(layer_types)} are not supported (only {'/'.join(sorted(allowed))})"
     window = getattr(text, "sliding_window", None)
-    if window is not None and getattr(text, "use_sliding_window", True) and window < text.max_position_embeddings:
+    if (not family.sliding and window is not None and getattr(text, "use_sliding_window", True)
+            and window < text.max_position_embeddings):
         return f"sliding-window attention ({window} < context {text.max_position_embeddings}) is not supported"
-    for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+    ropes = [getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)]
+    if family.sliding and isinstance(ropes[0], Mapping) and set(ropes[0]) <= {"full_attention", "sliding_attention"}:
+        ropes = list(ropes[0].values())   # one RoPE per layer type
+    for rope in ropes:
         if not rope:
             continue
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -259,7 +259,7 @@ class RearmRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs")
+    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs", "sliding_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class KVChunk(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     chunk_index: int
@@ -300,7 +301,8 @@ class KVChunk(_message.Message):
     payload_bytes: int
     rope_delta: int
     first_logprobs: TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    sliding_from: int
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sliding_from: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "rejected", "state", "detail")

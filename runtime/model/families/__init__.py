@@ -17,7 +17,8 @@ from transformers import PretrainedConfig
 
 from runtime.model import supported_models
 
-from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan
+from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan, image_spans
+from .gemma3 import Gemma3Family
 from .idefics3 import Idefics3Family, SmolVLMFamily
 from .llava import LlavaStyleFamily
 from .llava_anyres import LlavaNextFamily, LlavaOnevisionFamily
@@ -32,13 +33,14 @@ IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "Idefics3": Idefics3Family,
     "SmolVLM": SmolVLMFamily,
     "Mistral 3": Mistral3Family,
+    "Gemma 3": Gemma3Family,
     "Qwen2-VL": QwenVLFamily,
     "Qwen2.5-VL": Qwen25VLFamily,
     "Qwen3-VL": Qwen3VLFamily,
 }
 
 __all__ = ["EmbeddingFormatError", "ImageEmbedding", "ModelFamily", "PositionKind", "PositionPlan",
-           "family_class", "family_for", "load_processor"]
+           "family_class", "family_for", "image_spans", "load_processor"]
 
 
 def family_class(config: PretrainedConfig) -> type[ModelFamily]:

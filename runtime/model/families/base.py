@@ -89,6 +89,7 @@ class ModelFamily(ABC):
 
     name: str
     position_kind: PositionKind = PositionKind.ONE_D
+    bidirectional_images: bool = False   # image tokens see their whole run both ways (Gemma 3's token_type_ids mask)
 
     def __init__(self, config: Any, model: Any = None):
         self.config = config
@@ -147,6 +148,21 @@ class ModelFamily(ABC):
 
     def describe(self) -> str:
         return f"{self.name} ({self.position_kind.name} positions)"
+
+
+def image_spans(token_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of every maximal run of ``token_id`` in ``token_ids``, in order."""
+    spans: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate(token_ids):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(token_ids)))
+    return spans
 
 
 def placeholder_runs(token_ids: Sequence[int], token_id: int) -> list[int]:
