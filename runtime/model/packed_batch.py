@@ -52,6 +52,7 @@ class PackedItem:
     positions: torch.Tensor | None = None   # M-RoPE: [3, q_len] position ids of the new tokens
     rope_delta: int | None = None           # M-RoPE: position = sequence position + rope_delta (all axes)
     deepstack: DeepStackShare | None = None
+    state_slot: int | None = None           # hybrid decoders: the sequence's state slot (linear_attention)
 
     @property
     def q_len(self) -> int:

@@ -59,6 +59,7 @@ class Family:
     mrope: bool = False      # 3-D M-RoPE positions (and a per-sequence rope delta) instead of 1-D RoPE
     anyres: bool = False     # any-resolution tiles (image_grid_pinpoints) packed by the model's own code
     processor_needs: str | None = None   # a package the checkpoint's processor imports (refused where missing)
+    hybrid: bool = False     # linear-attention layers (per-sequence state slots) beside full-attention ones
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -87,6 +88,8 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"qwen2_5_vl_vision"}), frozenset({"qwen2_5_vl_text"}), mrope=True),
     Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", "qwen3_vl",
            frozenset({"qwen3_vl_vision"}), frozenset({"qwen3_vl_text"}), mrope=True),
+    Family("Qwen3.5", "Qwen3_5ForConditionalGeneration", "qwen3_5",
+           frozenset({"qwen3_5_vision"}), frozenset({"qwen3_5_text"}), mrope=True, hybrid=True),
 )
 
 # model_type -> why not (yet): only for a clearer message
@@ -97,7 +100,6 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
     "qwen2_5_omni": "audio and video inputs (thinker-talker)",
     "qwen3_omni_moe": "audio and video inputs (thinker-talker)",
-    "qwen3_5": "linear-attention (Gated DeltaNet) layers need per-sequence recurrent state",
     "video_llava": "video inputs",
     "mllama": "cross-attention to the image",
     "idefics2": "perceiver-resampled multi-crop images",
@@ -175,8 +177,9 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
     if getattr(config, "cross_attention_layers", None) or getattr(text, "cross_attention_layers", None):
         return "cross-attention layers are not supported"
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"attention layer types {sorted(layer_types)} are not supported (only full_attention)"
+    allowed = {"full_attention", "linear_attention"} if family.hybrid else {"full_attention"}
+    if not layer_types <= allowed or "full_attention" not in layer_types:
+        return f"attention layer types {sorted(layer_types)} are not supported (only {'/'.join(sorted(allowed))})"
     window = getattr(text, "sliding_window", None)
     if window is not None and getattr(text, "use_sliding_window", True) and window < text.max_position_embeddings:
         return f"sliding-window attention ({window} < context {text.max_position_embeddings}) is not supported"
