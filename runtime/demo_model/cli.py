@@ -1,5 +1,5 @@
 """``epd demo-model``: build the shipped demo VLM (trained), the bench config (random), or a tiny
-random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm``,
+random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|qwen3_5|llava_onevision|llava_next|idefics3|smolvlm``,
 for tests)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from transformers import LlavaForConditionalGeneration
 from .build import build_config, build_processor
 from .idefics3 import SplitFamily, build_idefics3
 from .llava_anyres import AnyResFamily, build_llava_anyres
+from .qwen3_5 import FAMILY as QWEN3_5, build_qwen3_5
 from .qwen_vl import QwenFamily, build_qwen_vl
 from .train import REQUIRED_ACCURACY, TrainPlan, train
 
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bench", action="store_true", help="random-weight ~150M-parameter, 8k-context config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily), *(f.value for f in AnyResFamily),
-                                              *(f.value for f in SplitFamily)], default="llava",
+                                              *(f.value for f in SplitFamily), QWEN3_5], default="llava",
                         help="llava: the demo model (trained) or --bench; others: a tiny random-weight test checkpoint")
     args = parser.parse_args(argv)
     if args.family != "llava" and args.bench:
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> int:
         args.out = Path("models/demo-vlm" if args.family == "llava" else f"models/test-{args.family}")
     if args.family != "llava":
         builder = (build_llava_anyres if args.family in {f.value for f in AnyResFamily}
-                   else build_idefics3 if args.family in {f.value for f in SplitFamily} else build_qwen_vl)
+                   else build_idefics3 if args.family in {f.value for f in SplitFamily}
+                   else build_qwen3_5 if args.family == QWEN3_5 else build_qwen_vl)
         builder(args.family, args.out, seed=args.seed)
         print(f"{args.family} test checkpoint (random weights) written to {args.out}")
         return 0

@@ -21,12 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen3_5Model, Qwen3VLProcessor
+from transformers import Qwen3_5Model
 
 from runtime.model.state_slots import StateLayout
 
-from .image_only_processor import image_only_class
-from .qwen_vl import QwenVLFamily
+from .qwen_vl import Qwen3VLFamily, QwenVLFamily
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -34,7 +33,7 @@ FULL = "full_attention"
 
 class Qwen3_5Family(QwenVLFamily):
     name = "Qwen3.5"
-    processor_class = image_only_class(Qwen3VLProcessor)
+    processor_class = Qwen3VLFamily.processor_class   # the real checkpoint's Qwen3VLProcessor (one class per process)
     model_class = Qwen3_5Model
 
     def _layer_types(self) -> list[str]:
