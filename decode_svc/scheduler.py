@@ -28,6 +28,10 @@ forward is dispatched) check that the pool's blocks still carry that lease's own
 token; a sequence whose lease is gone (released, re-armed or expired under it) is
 retired FINISHED_ABORTED and never written — whatever path forgot to stop it.
 
+Hybrid decoders: each sequence also writes its reservation's state slot (``state_slot``: the
+linear-attention layers' state), which every step's forward updates in place; a colocated
+prompt's chunks carry it from chunk to chunk (``runtime/model/linear_attention.py``).
+
 Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
 reservation holds references on them; the lease check covers the rest). A colocated
 sequence whose reservation reused a cached prefix starts prefilling at ``prefilled =

@@ -11,6 +11,8 @@ processor and the real processor class (``Qwen3VLProcessor``, which the
 
 ``all_attention=True`` writes the same model with every layer full attention
 (the same sizes otherwise): the bench's comparison for handoff bytes.
+``full_attention_interval`` (2 here: linear, full, ...) is 4 in the released
+checkpoints (three linear layers, then one full).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ LAYERS = 4                 # linear, full, linear, full
 FULL_ATTENTION_INTERVAL = 2
 
 
-def build_config(tokenizer, *, layers: int = LAYERS, all_attention: bool = False,
-                 max_positions: int = 2048) -> Qwen3_5Config:
+def build_config(tokenizer, *, layers: int = LAYERS, all_attention: bool = False, max_positions: int = 2048,
+                 full_attention_interval: int = FULL_ATTENTION_INTERVAL) -> Qwen3_5Config:
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    layer_types = ["full_attention" if all_attention or (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+    layer_types = ["full_attention" if all_attention or (i + 1) % full_attention_interval == 0 else "linear_attention"
                    for i in range(layers)]
     text = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=max_positions,
@@ -54,7 +56,7 @@ def build_config(tokenizer, *, layers: int = LAYERS, all_attention: bool = False
 
 
 def build_qwen3_5(family: str, out: Path, *, seed: int = 0, all_attention: bool = False, layers: int = LAYERS,
-                  max_positions: int = 2048) -> Path:
+                  max_positions: int = 2048, full_attention_interval: int = FULL_ATTENTION_INTERVAL) -> Path:
     """Write the tiny checkpoint to ``out``; seconds on a CPU (``family`` is ``qwen3_5``, as the CLI passes it)."""
     if family != FAMILY:
         raise ValueError(f"unknown family {family!r}")
@@ -62,7 +64,8 @@ def build_qwen3_5(family: str, out: Path, *, seed: int = 0, all_attention: bool 
     tokenizer = build_tokenizer()
     image_processor = build_image_processor(QwenFamily.QWEN3_VL)
     model = Qwen3_5ForConditionalGeneration(
-        build_config(tokenizer, layers=layers, all_attention=all_attention, max_positions=max_positions)).eval()
+        build_config(tokenizer, layers=layers, all_attention=all_attention, max_positions=max_positions,
+                     full_attention_interval=full_attention_interval)).eval()
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out = Path(out)

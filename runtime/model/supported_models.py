@@ -19,7 +19,9 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   turns into one embedding per image: one tile per image, or the model's own
   packing of any-resolution tiles for the families marked ``anyres``;
 * a decoder of a ``text_model_types`` type: causal self-attention through
-  transformers' attention interface over every layer (no sliding window
+  transformers' attention interface over every layer — or, for the families
+  marked ``hybrid``, over the full-attention layers with linear-attention layers
+  (per-sequence state slots) between them (no sliding window
   shorter than the context, no cross-attention, no bidirectional image
   tokens), and RoPE with a static frequency table (no sequence-length-dependent
   "dynamic"/"longrope" scaling, whose frequencies would change with what else is
