@@ -294,6 +294,8 @@ class ReservationTable:
         self.pool.retag(res.owned, res.attempt.owner, owner)   # the old generation's writes are fenced
         res.attempt = TransferAttempt(generation=res.generation + 1, owner=owner)
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)
+        if res.state_slot is not None:
+            self.states.reset(res.state_slot)   # no state of the failed attempt survives into the next
         res._status = DecodeStatus.RESERVED
         return res
 

@@ -174,3 +174,23 @@ def test_a_hybrid_reservation_never_reuses_or_caches_a_prefix(adapter, prefilled
                           prefix_keys=keys, reuse_prefix=True)
     assert again.shared == 0 and states.position(again.state_slot) == 0
     table.release(again.reservation_id)
+
+
+def test_a_retry_resets_the_slot_and_lands_again(adapter, prefilled):
+    """A failed attempt's state never survives a re-arm: the slot is back at position 0, and the retry's
+    own last chunk lands the state again."""
+    prompt, chunks, first = prefilled
+    _, states, table, receiver = _decode_side(adapter)
+    res = _reserve(table, adapter, prompt, first)
+    headers = _headers(adapter, res, chunks, first)
+    headers[-1].token_digest = "another prompt"          # the state lands, then verification fails
+    for h in headers:
+        receiver.land(h)
+    assert res.attempt.state is TransferState.FAILED and states.position(res.state_slot) == len(prompt.ids)
+    res = table.rearm(res.reservation_id)
+    assert states.position(res.state_slot) == 0 and not states.recurrent[res.state_slot].any()
+    for h in _headers(adapter, res, chunks, first):
+        assert receiver.land(h).outcome is ChunkOutcome.ACCEPTED
+    assert res.attempt.state is TransferState.SUCCESS and states.position(res.state_slot) == len(prompt.ids)
+    table.release(res.reservation_id)
+    assert states.free_slots == states.num_slots

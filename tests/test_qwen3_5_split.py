@@ -157,3 +157,20 @@ def test_another_prompts_state_gives_other_tokens(adapter, prompts):
         tokens.append(t)
         position += 1
     assert tokens != a.reference
+
+
+def test_start_up_check_takes_hybrid_layers_only_where_the_family_is_hybrid(adapter):
+    from runtime.model.supported_models import UnsupportedModel, check_config
+    config = adapter.model.config
+    check_config(config)
+    text = config.get_text_config()
+    saved = list(text.layer_types)
+    try:
+        text.layer_types = ["linear_attention"] * len(saved)      # no attention layer: nothing for the KV pool
+        with pytest.raises(UnsupportedModel, match="attention layer types"):
+            check_config(config)
+        text.layer_types = ["sliding_attention", *saved[1:]]
+        with pytest.raises(UnsupportedModel, match="attention layer types"):
+            check_config(config)
+    finally:
+        text.layer_types = saved

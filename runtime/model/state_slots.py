@@ -15,9 +15,10 @@ Lifecycle of a slot (one owner: whoever allocated it — the decode worker's
              ──free──> FREE   (exactly once: a second free raises)
 
 Invariant: a slot's ``position`` is how many leading tokens of its sequence the
-state covers. A forward whose new tokens start at ``start`` needs ``position ==
+state covers. A forward whose new tokens start at ``start > 0`` needs ``position ==
 start`` (``StateMismatch`` otherwise: the state would be some other prefix's), so a
-state is never applied at a position it was not computed for. ``load`` (a handoff's
+state is never applied at a position it was not computed for; one starting at 0
+reads no state (it overwrites whatever the slot held). ``load`` (a handoff's
 landed state) sets the position it was sent for.
 """
 
@@ -130,11 +131,18 @@ class StateSlotPool:
     def expect(self, slot: int, start: int) -> None:
         """``StateMismatch`` unless the slot's state covers exactly the ``start`` tokens before a forward."""
         held = self.position(slot)
-        if held != start:
+        if start and held != start:
             raise StateMismatch(f"state slot {slot} holds the state after {held} tokens, not {start}")
 
     def advance(self, slot: int, end: int) -> None:
         self._position[slot] = end
+
+    def reset(self, slot: int) -> None:
+        """Back to position 0, zeroed (a new transfer attempt into the same slot)."""
+        self.position(slot)
+        self.recurrent[slot].zero_()
+        self.conv[slot].zero_()
+        self._position[slot] = 0
 
     # -- per-layer views (the forward's hook) --------------------------------------
     def index(self, layer: int) -> int:
