@@ -176,7 +176,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys)) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks)")
+                                f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks"
+                                + (f", {self.states.free_slots} free state slots)" if self.states else ")"))
         if self.pool.prefix_cache:
             self.prefix.count(request.prompt_tokens, res.cached_tokens)
         return self._reserve_response(res)
