@@ -203,7 +203,8 @@ class _BulkProtocol(asyncio.BufferedProtocol):
         self._last_bytes_at = self._loop.time()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._len_buf = bytearray(4)
-        self._header_buf = bytearray(MAX_HEADER_BYTES)
+        self._header_limit = MAX_HEADER_BYTES + server.receiver.state_header_bytes   # hybrid: the final chunk's state parts
+        self._header_buf = bytearray(self._header_limit)
         self._handshake = _Handshake(server.token)
         self._state = "preamble"   # preamble -> len -> header -> payload -> len ...
         self._filled = 0
@@ -279,7 +280,7 @@ class _BulkProtocol(asyncio.BufferedProtocol):
             if n == 0:
                 self._reply()
                 return
-            if n > MAX_HEADER_BYTES:
+            if n > self._header_limit:
                 raise ValueError(f"header of {n} bytes")
             self._state, self._want = "header", n
         else:

@@ -17,7 +17,10 @@ valid                                      accepted     TRANSFERRING (or SUCCESS
 A transfer is SUCCESS only when every chunk ``0..total-1`` is present, the chunks
 cover prompt positions ``0..prompt_tokens`` exactly, and the final chunk's rope
 delta (``runtime/worker/rope_delta.py``: absent is an error for M-RoPE models), token
-digest and model fingerprint equal the reservation's. Out-of-order arrival is
+digest and model fingerprint equal the reservation's. For a hybrid decoder the final chunk
+also carries the linear-attention state parts, checked part by part against the
+reservation's state slot (``runtime/worker/state_parts.py``) and landed in it before the
+chunk counts; a mismatch rejects the chunk and fails the transfer. Out-of-order arrival is
 fine. A chunk may leave out the older KV of sliding-window layers (``sliding_from``, never
 past what decode needs: ``KVLayout.window_from`` of the reservation's prompt); its payload
 is then ``KVLayout.wire_bytes`` long and lands layer by layer (``layer_from``), and the
@@ -41,6 +44,8 @@ from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.families import PositionKind
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.tensor_bytes import dtype_from_name, dtype_name
+from runtime.model.state_slots import StateSlotPool
+from runtime.worker import state_parts
 from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.transfer_state import TransferState, to_wire
 from runtime.worker.wire import payload_checksum
@@ -62,9 +67,10 @@ class ChunkResult:
 
 class KVReceiver:
     def __init__(self, table: ReservationTable, pool: KVBlockPool,
-                 rope_delta: RopeDeltaRule = RopeDeltaRule(PositionKind.ONE_D)):
+                 rope_delta: RopeDeltaRule = RopeDeltaRule(PositionKind.ONE_D), states: StateSlotPool | None = None):
         self.table = table
         self.pool = pool
+        self.states = states         # hybrid decoders: where the final chunk's state parts land
         self.rope_delta = rope_delta   # what the final chunk's delta (or its absence) means for this model
         # chunks by outcome, over both paths (gRPC PushKV and bulk); exported as a counter
         self.outcomes: dict[str, int] = {o.value: 0 for o in ChunkOutcome}
@@ -127,6 +133,11 @@ class KVReceiver:
         tokens = res.prompt_tokens if res is not None else self.pool.num_blocks * self.pool.block_size
         return tokens * self.pool.layout.bytes_per_token
 
+    @property
+    def state_header_bytes(self) -> int:
+        """What the final chunk's header may carry beyond a plain one: the state parts (0 without a state slot)."""
+        return 0 if self.states is None else self.states.layout.slot_bytes() + 4096
+
     def chunk_nbytes(self, chunk: pb.KVChunk) -> int:
         return self.pool.layout.wire_bytes(chunk.token_start, chunk.token_end, chunk.sliding_from)
 
@@ -144,6 +155,12 @@ class KVReceiver:
     def accept(self, res: Reservation, chunk: pb.KVChunk, nbytes: int) -> ChunkResult:
         """The chunk's verified bytes are in ``res``'s blocks: record it, maybe complete the transfer."""
         attempt = res.attempt
+        if chunk.last or chunk.state_parts:
+            problem = ("state parts on a chunk that is not the last" if not chunk.last
+                       else state_parts.land(self.states, res.state_slot, chunk.state_parts, res.prompt_tokens))
+            if problem:
+                return self.fail(res, problem)
+            attempt.bytes_received += state_parts.wire_bytes(chunk.state_parts)
         now = time.monotonic()
         if attempt.first_chunk_at is None:
             attempt.first_chunk_at = now

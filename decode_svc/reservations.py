@@ -36,6 +36,12 @@ references and, given how many prompt tokens hold written KV (``cache_tokens``: 
 retiring sequence's), hands the full prompt blocks among the owned ones to the cache under
 their keys — only keys the decode worker recomputed from the prompt itself
 (``keys_verified``) — and frees the rest.
+
+Hybrid decoders (``states``: a ``StateSlotPool``): a reservation also holds one state slot
+(``state_slot``) for the linear-attention layers' fixed-size state, taken with the blocks
+(both or neither) and freed with them by the one ``release``. Such a reservation never
+reuses or caches a prefix: a block boundary has KV but no saved linear state, so a cached
+prefix could only be continued from a wrong (absent) state.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from enum import Enum
 
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.kv_pool import KVBlockPool
+from runtime.model.state_slots import StateSlotPool
 from runtime.worker.transfer_state import TransferState, advance
 
 from .request_status import DecodeStatus
@@ -112,6 +119,7 @@ class Reservation:
     shared: int = 0              # leading blocks of ``blocks`` that are cached (referenced, never written)
     keys_verified: bool = False  # the decode worker recomputed ``prefix_keys`` from the prompt: cacheable
     block_size: int = 16
+    state_slot: int | None = None   # hybrid decoders: the linear-attention state slot (freed with the blocks)
     created_at: float = field(default_factory=time.monotonic)
     _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
 
@@ -170,10 +178,12 @@ class AttachRefused(Enum):
 
 
 class ReservationTable:
-    def __init__(self, pool: KVBlockPool, lease_margin_s: float = 10.0, max_lease_s: float = 300.0):
+    def __init__(self, pool: KVBlockPool, lease_margin_s: float = 10.0, max_lease_s: float = 300.0,
+                 states: StateSlotPool | None = None):
         if max_lease_s <= 0:
             raise ValueError(f"max_lease_s must be > 0, got {max_lease_s}")
         self.pool = pool
+        self.states = states
         self.lease_margin_s = lease_margin_s
         self.max_lease_s = max_lease_s
         self._by_id: dict[str, Reservation] = {}
@@ -184,8 +194,10 @@ class ReservationTable:
     def can_reserve(self, prompt_tokens: int, max_tokens: int) -> Fit:
         """Whether ``reserve`` would get its blocks now; no side effect."""
         blocks = self.pool.blocks_for(prompt_tokens + max_tokens)
-        if blocks > self.pool.num_blocks:
+        if blocks > self.pool.num_blocks or (self.states is not None and self.states.num_slots == 0):
             return Fit.NEVER
+        if self.states is not None and self.states.free_slots == 0:
+            return Fit.NO_ROOM
         return Fit.NOW if blocks <= self.pool.available_blocks else Fit.NO_ROOM
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
@@ -201,11 +213,21 @@ class ReservationTable:
         cannot hold blocks longer than the cap by sending a far-future deadline."""
         started = time.perf_counter()
         keys = list(prefix_keys or [])[: prompt_tokens // self.pool.block_size]
+        if self.states is not None:
+            keys = []     # hybrid: no prefix reuse or caching (no linear state is saved at block boundaries)
         shared = self.pool.acquire(keys[: (prompt_tokens - 1) // self.pool.block_size]) if reuse_prefix else []
+        slot = None
+        if self.states is not None:
+            slot = self.states.allocate()
+            if slot is None:
+                self.pool.unref(shared)
+                return None
         owner = self.pool.new_token()
         owned = self.pool.allocate_blocks(self.pool.blocks_for(prompt_tokens + max_tokens) - len(shared), owner)
         if owned is None:
             self.pool.unref(shared)
+            if slot is not None:
+                self.states.free(slot)
             return None
         blocks = shared + owned
         lease_end = min(deadline_s, time.monotonic() + self.max_lease_s)
@@ -224,6 +246,7 @@ class ReservationTable:
             prefix_keys=keys,
             shared=len(shared),
             block_size=self.pool.block_size,
+            state_slot=slot,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -272,6 +295,8 @@ class ReservationTable:
         self.pool.retag(res.owned, res.attempt.owner, owner)   # the old generation's writes are fenced
         res.attempt = TransferAttempt(generation=res.generation + 1, owner=owner)
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)
+        if res.state_slot is not None:
+            self.states.reset(res.state_slot)   # no state of the failed attempt survives into the next
         res._status = DecodeStatus.RESERVED
         return res
 
@@ -298,6 +323,8 @@ class ReservationTable:
         self.pool.cache(res.blocks[res.shared: keep], res.prefix_keys[res.shared: keep], owner)
         self.pool.free(res.blocks[keep:], owner=owner)
         self.pool.unref(res.blocks[: res.shared])
+        if res.state_slot is not None:
+            self.states.free(res.state_slot)
         return True
 
     def release_lease(self, lease: Lease, reason: str = "", cache_tokens: int = 0) -> bool:

@@ -28,6 +28,10 @@ forward is dispatched) check that the pool's blocks still carry that lease's own
 token; a sequence whose lease is gone (released, re-armed or expired under it) is
 retired FINISHED_ABORTED and never written — whatever path forgot to stop it.
 
+Hybrid decoders: each sequence also writes its reservation's state slot (``state_slot``: the
+linear-attention layers' state), which every step's forward updates in place; a colocated
+prompt's chunks carry it from chunk to chunk (``runtime/model/linear_attention.py``).
+
 Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
 reservation holds references on them; the lease check covers the rest). A colocated
 sequence whose reservation reused a cached prefix starts prefilling at ``prefilled =
@@ -47,6 +51,7 @@ from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
+from runtime.model.state_slots import StateSlotPool
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
@@ -87,6 +92,7 @@ class Sequence:
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
+    state_slot: int | None = None      # hybrid decoders: its reservation's linear-attention state slot
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -114,11 +120,12 @@ def _allowed(seq: Sequence):
 
 
 class DecodeScheduler:
-    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 64,
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, states: StateSlotPool | None = None, max_batch: int = 64,
                  prefill_token_budget: int = 256, on_retire: Callable[[Sequence], None] | None = None,
                  timings: TimingLog | None = None, step_delay_s: float = 0.0):
         self.adapter = adapter
         self.pool = pool
+        self.states = states   # hybrid decoders: the reservations' state slots, updated in place by each step
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
         self.on_retire = on_retire or (lambda seq: None)
@@ -285,11 +292,13 @@ class DecodeScheduler:
         items: list[PackedItem] = []
         if decoding:
             embeds = self.adapter.embed_tokens([s.output[-1] for s in decoding])
-            items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta)
-                      for i, s in enumerate(decoding)]
+            items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta,
+                                 state_slot=s.state_slot) for i, s in enumerate(decoding)]
         for seq, start, end in chunks:
-            items.append(seq.prompt.item(start, end, seq.blocks))
-        logits = self.adapter.forward_packed(self.pool, items)
+            item = seq.prompt.item(start, end, seq.blocks)
+            item.state_slot = seq.state_slot
+            items.append(item)
+        logits = self.adapter.forward_packed(self.pool, items, self.states)
         next_tokens = [self._sample(s, logits[i], s.next_position + 1) for i, s in enumerate(decoding)]
         first_tokens = []
         for j, (seq, _, end) in enumerate(chunks):

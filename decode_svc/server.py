@@ -19,7 +19,8 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer:
     """The KV pool, the servicer (reservations, receiver, scheduler, lease reaper) and the bulk KV path."""
-    pool = kv_pool_for(adapter, settings, prefix_cache=settings.prefix_cache)
+    # hybrid decoders keep no prefix cache: a cached block has KV but no linear-attention state saved with it
+    pool = kv_pool_for(adapter, settings, prefix_cache=settings.prefix_cache and not adapter.hybrid)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,
                               prefill_chunk_tokens=settings.prefill_chunk_tokens, lease_margin_s=settings.lease_margin_s,
                               max_lease_s=settings.max_lease_s, faults=FaultInjector(settings.faults))

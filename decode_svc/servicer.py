@@ -101,11 +101,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.fetcher = fetcher
         self.faults = faults or FaultInjector("")
         self.timings = TimingLog()
-        self.table = ReservationTable(pool, lease_margin_s, max_lease_s)
+        # hybrid decoders: one linear-attention state slot per reservation, beside its blocks
+        self.states = adapter.new_state_slots(2 * max_batch)
+        self.table = ReservationTable(pool, lease_margin_s, max_lease_s, states=self.states)
         self.prefix = PrefixCacheCounters()
         self.rope_delta = RopeDeltaRule(adapter.family.position_kind)
-        self.receiver = KVReceiver(self.table, pool, self.rope_delta)
-        self.scheduler = DecodeScheduler(adapter, pool, max_batch=max_batch, prefill_token_budget=prefill_chunk_tokens,
+        self.receiver = KVReceiver(self.table, pool, self.rope_delta, states=self.states)
+        self.scheduler = DecodeScheduler(adapter, pool, states=self.states, max_batch=max_batch,
+                                         prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
         self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel)
@@ -173,7 +176,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys)) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks)")
+                                f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks"
+                                + (f", {self.states.free_slots} free state slots)" if self.states else ")"))
         if self.pool.prefix_cache:
             self.prefix.count(request.prompt_tokens, res.cached_tokens)
         return self._reserve_response(res)
@@ -223,7 +227,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
                        min(request.max_tokens or res.max_tokens, res.max_tokens), sampling,
                        rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
-                       prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [], shared=res.shared)
+                       prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [], shared=res.shared,
+                       state_slot=res.state_slot)
         keep_reservation = False
         try:
             annotate(**{"epd.request_id": request.request_id,
@@ -402,6 +407,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             queue_depth=self.scheduler.prefilling_seqs + self.table.waiting,
             in_flight=self.table.active, running_seqs=self.scheduler.running_seqs,
             free_blocks=self.pool.available_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            free_state_slots=self.states.free_slots if self.states else 0,
+            total_state_slots=self.states.num_slots if self.states else 0,
             cached_blocks=self.pool.cached_blocks, prefix_cache=self.pool.prefix_cache,
             prefix_cache_queries_total=self.prefix.queries_total, prefix_cache_hits_total=self.prefix.hits_total,
             prefix_summary_version=version, prefix_summary_sent=send,

@@ -66,13 +66,15 @@ class WorkerHandle:
                            lease_reaped_total=s.lease_reaped_total, attention_kernel=s.attention_kernel,
                            cached_blocks=s.cached_blocks,
                            prefix_cache=s.prefix_cache, prefix_cache_queries_total=s.prefix_cache_queries_total,
-                           prefix_cache_hits_total=s.prefix_cache_hits_total)
+                           prefix_cache_hits_total=s.prefix_cache_hits_total,
+                           free_state_slots=s.free_state_slots, total_state_slots=s.total_state_slots)
             elif self.role == "encoder":
                 out.update(computes=s.computes, cache_hits=s.cache_hits, single_flight_in_flight=s.single_flight_in_flight)
             elif self.role == "prefill":
                 out.update(queued_prefill_tokens=s.queued_prefill_tokens, max_batch_observed=s.max_batch,
                            attention_kernel=s.attention_kernel,
-                           free_blocks=s.free_blocks, total_blocks=s.total_blocks)
+                           free_blocks=s.free_blocks, total_blocks=s.total_blocks,
+                           free_state_slots=s.free_state_slots, total_state_slots=s.total_state_slots)
         return out
 
 

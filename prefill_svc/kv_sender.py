@@ -53,6 +53,7 @@ class FinalChunk:
     first: SampledToken           # the first token, with its logprobs when the request asked for them
     prefill_ms: float             # the prompt's summed compute, for decode's first event
     rope_delta: int               # the prompt's (0 for 1-D families): decode checks it against the reservation
+    state_parts: tuple = ()       # hybrid decoders: the linear layers' state at the prompt's end (pb.StatePart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class ChunkFraming:
             msg.token_digest, msg.model_fingerprint = self.token_digest, self.model_fingerprint
             msg.prefill_ms = chunk.final.prefill_ms
             msg.rope_delta = chunk.final.rope_delta
+            msg.state_parts.extend(chunk.final.state_parts)
         return msg
 
 

@@ -33,6 +33,7 @@ from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
+from runtime.worker import state_parts
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.tracing import current_context, record_span
@@ -51,6 +52,7 @@ class PrefillJob:
     sender: KVSender                 # frames and sends what this job's steps make ready
     prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
     blocks: list[int] | None = None
+    state_slot: int | None = None    # hybrid decoders: the linear layers' state, carried chunk to chunk
     next_start: int = 0
     chunk_index: int = 0
     first_token: int | None = None
@@ -71,6 +73,8 @@ class PrefillScheduler:
         self.trim_sliding = trim_sliding   # False only to measure the saving (bench/sliding_window_handoff.py)
         self.pool = pool
         self.max_batch = max_batch
+        # hybrid decoders: a state slot per active job beside its scratch blocks, freed with them
+        self.states = adapter.new_state_slots(max(2 * max_batch, 8))
         self.timings = timings or TimingLog()
         self.waiting: list[PrefillJob] = []
         self.active: list[PrefillJob] = []
@@ -123,10 +127,13 @@ class PrefillScheduler:
         for job in [j for j in (*self.waiting, *self.active) if j.cancelled]:
             self._finish(job, asyncio.CancelledError())
         for job in list(self.waiting):
+            if self.states is not None and self.states.free_slots == 0:
+                break
             blocks = self.pool.allocate(job.prompt_len)
             if blocks is None:
                 break  # FIFO: later prompts wait behind the first that does not fit
             job.blocks = blocks
+            job.state_slot = None if self.states is None else self.states.allocate()
             self.waiting.remove(job)
             self.active.append(job)
 
@@ -134,7 +141,7 @@ class PrefillScheduler:
         # the prompt's chunking rule: never inside a bidirectional image span (PreparedPrompt.chunk_end)
         spans = [(job, job.next_start, job.prompt.chunk_end(job.next_start, job.chunk_tokens)) for job in batch]
         started, started_ns = time.perf_counter(), time.time_ns()
-        chunks, first_tokens = await asyncio.to_thread(self._forward, spans)
+        chunks, first_tokens, states = await asyncio.to_thread(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
         ended_ns = time.time_ns()
         for job, start, end in spans:
@@ -143,12 +150,13 @@ class PrefillScheduler:
                 "epd.batch": len(spans)})
         self.max_observed_batch = max(self.max_observed_batch, len(batch))
         self.timings.record("prefill", sum(e - s for _, s, e in spans), step_ms)
-        for (job, start, end), kv, first in zip(spans, chunks, first_tokens):
+        for (job, start, end), kv, first, state in zip(spans, chunks, first_tokens, states):
             job.compute_ms += step_ms
             if job.cancelled:
                 continue
             last = end == job.prompt_len
-            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms, job.prompt.rope_delta) if last else None
+            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms, job.prompt.rope_delta,
+                               tuple(state)) if last else None
             job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final, self._sliding_from(job)))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
@@ -158,11 +166,15 @@ class PrefillScheduler:
 
     def _forward(self, spans):
         items = [job.prompt.item(s, e, job.blocks) for job, s, e in spans]
-        logits = self.adapter.forward_packed(self.pool, items)
+        for item, (job, _, _) in zip(items, spans):
+            item.state_slot = job.state_slot
+        logits = self.adapter.forward_packed(self.pool, items, self.states)
+        states = [state_parts.to_pb(self.states.read(job.state_slot)) if job.state_slot is not None and e == job.prompt_len
+                  else [] for job, _, e in spans]
         # pool.read already copied out of the pool (.cpu() copies only for a GPU pool): send that buffer as is
         payloads = [memoryview(self._read(job, s, e).cpu().view(torch.uint8).numpy()).cast("B") for job, s, e in spans]
         firsts = [None if l is None else self._sample_first(job, l) for l, (job, _, _) in zip(logits, spans)]
-        return payloads, firsts
+        return payloads, firsts, states
 
     def _sliding_from(self, job: PrefillJob) -> int:
         return self.pool.layout.window_from(job.prompt_len) if self.trim_sliding else 0
@@ -194,6 +206,9 @@ class PrefillScheduler:
         if job.blocks is not None:
             self.pool.free(job.blocks)
             job.blocks = None
+        if job.state_slot is not None:
+            self.states.free(job.state_slot)
+            job.state_slot = None
         if error is not None:
             job.sender.abort()
         if not job.done.done():

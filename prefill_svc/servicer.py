@@ -143,5 +143,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             request, queue_depth=self.scheduler.queue_depth,
             in_flight=self.in_flight, queued_prefill_tokens=self.scheduler.queued_tokens,
             free_blocks=self.scheduler.pool.free_blocks, total_blocks=self.scheduler.pool.num_blocks,
+            free_state_slots=self.scheduler.states.free_slots if self.scheduler.states else 0,
+            total_state_slots=self.scheduler.states.num_slots if self.scheduler.states else 0,
             max_batch=self.scheduler.max_observed_batch,
         )

@@ -4,11 +4,12 @@ After a test, for every worker the test names (a worker it killed is left out by
 by process or address: ``exclude``; a named worker that does not answer is reported, never
 skipped):
 
-- decode: every KV block free (``free_blocks == total_blocks``), no running sequence, no
+- decode: every KV block free (``free_blocks == total_blocks``) and every state slot of a hybrid
+  model (``free_state_slots == total_state_slots``), no running sequence, no
   reservation, no landed chunk, and ``lease_reaped_total`` where it was when the test began:
   the lease reaper did not free what a path forgot. Start decode workers with
   ``LONG_LEASES`` so that no lease can end inside a test and the reaper cannot do it;
-- prefill: its scratch pool free, nothing queued or in flight;
+- prefill: its scratch pool (and state slots) free, nothing queued or in flight;
 - encoder: nothing queued or in flight, no encoder-cache single-flight entry;
 - every gateway (an in-process ``Orchestrator``, or a gateway process through ``/status``):
   each worker handle's in-flight count 0, no admitted request still waiting for a first token;
@@ -139,12 +140,14 @@ class LeakCheck:
             if s.lease_reaped_total < before:   # restarted on this address: a new process counts from 0
                 before = 0
             for name, value in (("used blocks", s.total_blocks - s.free_blocks), ("running_seqs", s.running_seqs),
+                                ("held state slots", s.total_state_slots - s.free_state_slots),
                                 ("reservations_active", s.reservations_active), ("pending_chunks", s.pending_chunks),
                                 ("reservations the lease reaper freed during the test", s.lease_reaped_total - before)):
                 if value:
                     held.append(f"decode {address}: {name} = {value}")
         elif role == "prefill":
             for name, value in (("scratch blocks in use", s.total_blocks - s.free_blocks),
+                                ("held state slots", s.total_state_slots - s.free_state_slots),
                                 ("queue_depth", s.queue_depth), ("in_flight", s.in_flight)):
                 if value:
                     held.append(f"prefill {address}: {name} = {value}")

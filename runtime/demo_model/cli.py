@@ -1,5 +1,5 @@
 """``epd demo-model``: build the shipped demo VLM (trained), the bench config (random), or a tiny
-random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm|gemma3``,
+random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm|gemma3|qwen3_5``,
 for tests)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .build import build_config, build_processor
 from .gemma3 import build_gemma3
 from .idefics3 import SplitFamily, build_idefics3
 from .llava_anyres import AnyResFamily, build_llava_anyres
+from .qwen3_5 import FAMILY as QWEN3_5, build_qwen3_5
 from .qwen_vl import QwenFamily, build_qwen_vl
 from .train import REQUIRED_ACCURACY, TrainPlan, train
 
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bench", action="store_true", help="random-weight ~150M-parameter, 8k-context config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily), *(f.value for f in AnyResFamily),
-                                              *(f.value for f in SplitFamily), "gemma3"], default="llava",
+                                              *(f.value for f in SplitFamily), "gemma3", QWEN3_5], default="llava",
                         help="llava: the demo model (trained) or --bench; others: a tiny random-weight test checkpoint")
     args = parser.parse_args(argv)
     if args.family != "llava" and args.bench:
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
     if args.family != "llava":
         builder = (build_llava_anyres if args.family in {f.value for f in AnyResFamily}
                    else build_gemma3 if args.family == "gemma3"
-                   else build_idefics3 if args.family in {f.value for f in SplitFamily} else build_qwen_vl)
+                   else build_idefics3 if args.family in {f.value for f in SplitFamily}
+                   else build_qwen3_5 if args.family == QWEN3_5 else build_qwen_vl)
         builder(args.family, args.out, seed=args.seed)
         print(f"{args.family} test checkpoint (random weights) written to {args.out}")
         return 0

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from runtime.model import attention_kernels, families, paged_attention, supported_models
+from runtime.model import attention_kernels, families, linear_attention, paged_attention, supported_models
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from runtime.model.families import ImageEmbedding, PositionKind
 from runtime.model.kv_pool import KVBlockPool, KVLayout
@@ -35,6 +35,7 @@ from runtime.model.packed_batch import DeepStackShare, PackedItem, pack
 from runtime.model.paged_attention import PagedBatch
 from runtime.model.prepared_prompt import PreparedPrompt
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
+from runtime.model.state_slots import StateMismatch, StatePartData, StateSlotPool
 
 __all__ = ["DecodeInput", "DeepStackShare", "FirstToken", "KVChunk", "PackedItem", "PreparedPrompt", "VLMAdapter"]
 
@@ -51,6 +52,7 @@ class KVChunk:
     start: int
     end: int
     kv: torch.Tensor
+    state: list[StatePartData] | None = None   # hybrid decoders, on the last chunk: the linear layers' state at ``end``
 
 
 @dataclass(slots=True)
@@ -69,6 +71,7 @@ class DecodeInput:
     rope_delta: int | None = None   # M-RoPE: required (the prompt's delta); 1-D: None
     prompt_ids: Sequence[int] = ()  # what the sampling reads of the sequence (penalties): the prompt's ids
     output_ids: Sequence[int] = ()  # and the tokens emitted so far (``token_id`` included)
+    state_slot: int | None = None   # hybrid decoders: the sequence's state slot (holding the state at ``position``)
 
 
 class VLMAdapter:
@@ -92,8 +95,9 @@ class VLMAdapter:
         self.image_token_id = self.family.image_token_id
         self.hidden_size = int(text_config.hidden_size)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        kv_layers = self.family.kv_layer_indices()
         self.kv_layout = KVLayout(
-            layers=int(text_config.num_hidden_layers),
+            layers=len(kv_layers),
             kv_heads=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads),
             head_dim=int(head_dim),
             dtype=next(model.parameters()).dtype,
@@ -106,6 +110,12 @@ class VLMAdapter:
         paged_attention.register()
         text_config._attn_implementation = paged_attention.ATTN_IMPLEMENTATION
         self._decoder = model.model.language_model if hasattr(model.model, "language_model") else model.get_decoder()
+        # hybrid decoders: the KV pool holds the full-attention layers only, the linear ones keep state slots
+        self.state_layout = self.family.state_layout(self.kv_layout.dtype)
+        for pool_layer, layer in enumerate(kv_layers):
+            self._decoder.layers[layer].self_attn.epd_kv_layer = pool_layer
+        if self.state_layout is not None:
+            linear_attention.install(self._decoder.layers)
         self._embed_tokens = model.get_input_embeddings()
         self._lm_head = model.get_output_embeddings()
         self.model_fingerprint = "unset"
@@ -120,7 +130,7 @@ class VLMAdapter:
         processor = families.load_processor(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa").to(device)
         adapter = cls(model, processor, device=device, **kwargs)
-        adapter.model_fingerprint = model_fingerprint(Path(path), adapter.kv_layout)
+        adapter.model_fingerprint = model_fingerprint(Path(path), adapter.kv_layout, adapter.state_layout)
         return adapter
 
     # -- encode -----------------------------------------------------------------
@@ -212,18 +222,45 @@ class VLMAdapter:
         return self._embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
 
     # -- the forward ------------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """Whether sequences need a state slot beside their KV blocks (linear-attention layers)."""
+        return self.state_layout is not None
+
+    def new_state_slots(self, num_slots: int) -> StateSlotPool | None:
+        """A state-slot pool for ``num_slots`` sequences (``None`` for a model without linear-attention layers)."""
+        return None if self.state_layout is None else StateSlotPool(self.state_layout, num_slots, self.device)
+
+    def _linear_batch(self, states: StateSlotPool | None, items: Sequence[PackedItem], spans) -> dict:
+        if self.state_layout is None:
+            return {}
+        if states is None:
+            raise StateMismatch("a hybrid model's forward needs the state slots of its sequences")
+        linear = []
+        for item, span in zip(items, spans):
+            if item.state_slot is None:
+                raise StateMismatch("a sequence of a hybrid model has no state slot")
+            states.expect(item.state_slot, item.start)
+            linear.append(linear_attention.LinearItem(span.q_offset, span.q_len, item.state_slot, item.start))
+        return {"epd_linear": linear_attention.LinearBatch(states, linear)}
+
     @torch.inference_mode()
-    def forward_packed(self, pool: KVBlockPool, items: Sequence[PackedItem]) -> list[torch.Tensor | None]:
-        """Run all items' new tokens as one packed row; write their KV; return last-token logits."""
+    def forward_packed(self, pool: KVBlockPool, items: Sequence[PackedItem],
+                       states: StateSlotPool | None = None) -> list[torch.Tensor | None]:
+        """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
+        item's state slot: ``states``); return last-token logits."""
         row = pack(pool, items, self.family.position_kind, self.device)
         batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel)
-        extra = {}
+        extra = self._linear_batch(states, items, row.spans)
         if row.deepstack is not None:
-            extra = {"visual_pos_masks": row.visual_mask, "deepstack_visual_embeds": row.deepstack}
+            extra.update(visual_pos_masks=row.visual_mask, deepstack_visual_embeds=row.deepstack)
         with paged_attention.paged_forward():
             hidden = self._decoder(
                 inputs_embeds=row.embeds, position_ids=row.position_ids, use_cache=False, epd_batch=batch, **extra
             ).last_hidden_state[0]
+        if states is not None and self.state_layout is not None:
+            for item in items:
+                states.advance(item.state_slot, item.start + item.q_len)
         wanted = [i for i, item in enumerate(items) if item.want_logits]
         results: list[torch.Tensor | None] = [None] * len(items)
         if wanted:
@@ -242,10 +279,13 @@ class VLMAdapter:
         chunk_size: int,
         sampling: SamplingParams = SamplingParams(),
         pool: KVBlockPool | None = None,
+        states: StateSlotPool | None = None,
     ) -> Iterator[KVChunk | FirstToken]:
         """Chunked prefill of one prompt: yields each chunk's KV as soon as it is computed, then the first token.
 
-        With no ``pool`` given a private one sized for the prompt is used and dropped after.
+        With no ``pool`` given a private one sized for the prompt is used and dropped after; a hybrid
+        decoder's state is carried from chunk to chunk in one slot (of ``states``, or a private one) and
+        read out on the last chunk (``KVChunk.state``).
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -255,27 +295,39 @@ class VLMAdapter:
         blocks = pool.allocate(n)
         if blocks is None:  # a capacity problem of this worker, not the client's mistake
             raise MemoryError(f"prompt of {n} tokens does not fit the free KV blocks ({pool.free_blocks} free)")
+        states = states if states is not None or not self.hybrid else self.new_state_slots(1)
+        slot = states.allocate() if self.hybrid else None
+        if self.hybrid and slot is None:
+            pool.free(blocks)
+            raise MemoryError("no free state slot for the prompt's linear-attention state")
         try:
             index, start = 0, 0
             while start < n:
                 end = prompt.chunk_end(start, chunk_size)   # never inside a bidirectional image span
-                (logits,) = self.forward_packed(pool, [prompt.item(start, end, blocks)])
-                yield KVChunk(index, start, end, pool.read(blocks, start, end).clone())
+                item = prompt.item(start, end, blocks)
+                item.state_slot = slot
+                (logits,) = self.forward_packed(pool, [item], states)
+                state = states.read(slot) if slot is not None and end == n else None
+                yield KVChunk(index, start, end, pool.read(blocks, start, end).clone(), state)
                 index, start = index + 1, end
             first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
             yield FirstToken(first.token_id, prompt.rope_delta, first)
         finally:
             pool.free(blocks)
+            if slot is not None:
+                states.free(slot)
 
-    def decode_step(self, pool: KVBlockPool, batch: Sequence[DecodeInput]) -> list[int]:
+    def decode_step(self, pool: KVBlockPool, batch: Sequence[DecodeInput], states: StateSlotPool | None = None) -> list[int]:
         """One token for every sequence in ``batch`` (any lengths), as one packed forward."""
-        return [s.token_id for s in self.decode_sample(pool, batch)]
+        return [s.token_id for s in self.decode_sample(pool, batch, states)]
 
-    def decode_sample(self, pool: KVBlockPool, batch: Sequence[DecodeInput]) -> list[SampledToken]:
+    def decode_sample(self, pool: KVBlockPool, batch: Sequence[DecodeInput],
+                      states: StateSlotPool | None = None) -> list[SampledToken]:
         """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
         embeds = self.embed_tokens([b.token_id for b in batch])
-        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta) for i, b in enumerate(batch)]
-        logits = self.forward_packed(pool, items)
+        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot)
+                 for i, b in enumerate(batch)]
+        logits = self.forward_packed(pool, items, states)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]
 
@@ -290,7 +342,7 @@ def sliding_layout(text_config) -> dict:
     return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
-def model_fingerprint(path: Path, layout: KVLayout) -> str:
+def model_fingerprint(path: Path, layout: KVLayout, state=None) -> str:
     """Identity of weights + cache format; prefill and decode must agree on it before a handoff.
 
     Hashes config.json and each weight file's name, size and first MiB, so it is
@@ -298,6 +350,8 @@ def model_fingerprint(path: Path, layout: KVLayout) -> str:
     """
     h = blake3.blake3()
     h.update(layout.describe().encode())
+    if state is not None:
+        h.update(state.describe().encode())
     path = Path(path)
     if path.is_dir():
         for name in sorted(p.name for p in path.iterdir() if p.suffix in {".json", ".safetensors", ".bin"}):

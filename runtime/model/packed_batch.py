@@ -57,6 +57,7 @@ class PackedItem:
     rope_delta: int | None = None           # M-RoPE: position = sequence position + rope_delta (all axes)
     deepstack: DeepStackShare | None = None
     key_limits: torch.Tensor | None = None  # [q_len] long: bidirectional image spans (None: causal)
+    state_slot: int | None = None           # hybrid decoders: the sequence's state slot (linear_attention)
 
     @property
     def q_len(self) -> int:

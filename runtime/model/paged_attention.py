@@ -43,7 +43,7 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query [1, H, T, D]; key/value [1, KVH, T, D] (RoPE already applied)
-    layer = module.layer_idx
+    layer = getattr(module, "epd_kv_layer", module.layer_idx)   # hybrid decoders: the pool holds attention layers only
     kv_heads, head_dim = key.shape[1], key.shape[3]
     k_blocks, v_blocks = batch.kv[layer, 0], batch.kv[layer, 1]       # [blocks, block_size, KVH, D]
     k_pool = k_blocks.view(-1, kv_heads, head_dim)

@@ -19,10 +19,12 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   turns into one embedding per image: one tile per image, or the model's own
   packing of any-resolution tiles for the families marked ``anyres``;
 * a decoder of a ``text_model_types`` type: causal self-attention through
-  transformers' attention interface over every layer (no cross-attention; no
-  sliding window shorter than the context, nor bidirectional image tokens,
-  except for the families marked ``sliding`` and ``bidirectional``, whose layers
-  are ``full_attention`` / ``sliding_attention``; no attention logit
+  transformers' attention interface over every layer — or, for the families
+  marked ``hybrid``, over the full-attention layers with linear-attention layers
+  (per-sequence state slots) between them (no cross-attention; no sliding window
+  shorter than the context, nor bidirectional image tokens, except for the
+  families marked ``sliding`` and ``bidirectional``, whose layers are
+  ``full_attention`` / ``sliding_attention``; no attention logit
   soft-capping), and RoPE with a static frequency table (no sequence-length-dependent
   "dynamic"/"longrope" scaling, whose frequencies would change with what else is
   packed into a step): 1-D for most families, M-RoPE (``mrope_section``, 3-D
@@ -63,6 +65,7 @@ class Family:
     processor_needs: str | None = None   # a package the checkpoint's processor imports (refused where missing)
     sliding: bool = False    # interleaved sliding-window layers (layer_types), honoured by the paged attention
     bidirectional: bool = False  # image tokens attend bidirectionally within their image (token_type_ids mask)
+    hybrid: bool = False     # linear-attention layers (per-sequence state slots) beside full-attention ones
 
     def describe(self) -> str:
         return (f"{self.architecture} ({self.name}: {'/'.join(sorted(self.vision_model_types))} vision"
@@ -93,6 +96,8 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"qwen2_5_vl_vision"}), frozenset({"qwen2_5_vl_text"}), mrope=True),
     Family("Qwen3-VL", "Qwen3VLForConditionalGeneration", "qwen3_vl",
            frozenset({"qwen3_vl_vision"}), frozenset({"qwen3_vl_text"}), mrope=True),
+    Family("Qwen3.5", "Qwen3_5ForConditionalGeneration", "qwen3_5",
+           frozenset({"qwen3_5_vision"}), frozenset({"qwen3_5_text"}), mrope=True, hybrid=True),
 )
 
 # model_type -> why not (yet): only for a clearer message
@@ -103,7 +108,6 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
     "qwen2_5_omni": "audio and video inputs (thinker-talker)",
     "qwen3_omni_moe": "audio and video inputs (thinker-talker)",
-    "qwen3_5": "linear-attention (Gated DeltaNet) layers need per-sequence recurrent state",
     "video_llava": "video inputs",
     "mllama": "cross-attention to the image",
     "idefics2": "perceiver-resampled multi-crop images",
@@ -187,8 +191,10 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
     if getattr(text, "use_bidirectional_attention", False):
         return "bidirectional attention over text tokens (use_bidirectional_attention) is not supported"
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    allowed = {"full_attention", "sliding_attention"} if family.sliding else {"full_attention"}
-    if not layer_types <= allowed:
+    allowed = {"full_attention"}
+    allowed |= {"sliding_attention"} if family.sliding else set()
+    allowed |= {"linear_attention"} if family.hybrid else set()
+    if not layer_types <= allowed or "full_attention" not in layer_types:
         return f"attention layer types {sorted(layer_types)} are not supported (only {'/'.join(sorted(allowed))})"
     window = getattr(text, "sliding_window", None)
     if (not family.sliding and window is not None and getattr(text, "use_sliding_window", True)

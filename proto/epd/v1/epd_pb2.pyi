@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_KIND_UNSPECIFIED: _ClassVar[StateKind]
+    STATE_KIND_RECURRENT: _ClassVar[StateKind]
+    STATE_KIND_CONV: _ClassVar[StateKind]
+STATE_KIND_UNSPECIFIED: StateKind
+STATE_KIND_RECURRENT: StateKind
+STATE_KIND_CONV: StateKind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -89,7 +99,7 @@ class StatsRequest(_message.Message):
     def __init__(self, since_sample: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel", "cached_blocks", "prefix_cache", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_summary_version", "prefix_summary_sent", "prefix_summary")
+    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel", "cached_blocks", "prefix_cache", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_summary_version", "prefix_summary_sent", "prefix_summary", "free_state_slots", "total_state_slots")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +131,8 @@ class WorkerStats(_message.Message):
     PREFIX_SUMMARY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SUMMARY_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     serving: bool
@@ -152,7 +164,9 @@ class WorkerStats(_message.Message):
     prefix_summary_version: str
     prefix_summary_sent: bool
     prefix_summary: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ..., prefix_summary_sent: _Optional[bool] = ..., prefix_summary: _Optional[_Iterable[int]] = ...) -> None: ...
+    free_state_slots: int
+    total_state_slots: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ..., prefix_summary_sent: _Optional[bool] = ..., prefix_summary: _Optional[_Iterable[int]] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ...) -> None: ...
 
 class EncodeImage(_message.Message):
     __slots__ = ("ref", "data")
@@ -259,7 +273,7 @@ class RearmRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs", "sliding_from")
+    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs", "sliding_from", "state_parts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +295,7 @@ class KVChunk(_message.Message):
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_FROM_FIELD_NUMBER: _ClassVar[int]
+    STATE_PARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     chunk_index: int
@@ -302,7 +317,24 @@ class KVChunk(_message.Message):
     rope_delta: int
     first_logprobs: TokenLogprobs
     sliding_from: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sliding_from: _Optional[int] = ...) -> None: ...
+    state_parts: _containers.RepeatedCompositeFieldContainer[StatePart]
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sliding_from: _Optional[int] = ..., state_parts: _Optional[_Iterable[_Union[StatePart, _Mapping]]] = ...) -> None: ...
+
+class StatePart(_message.Message):
+    __slots__ = ("layer", "kind", "dtype", "shape", "data", "checksum")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    kind: StateKind
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    checksum: str
+    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[_Union[StateKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("accepted", "duplicates", "rejected", "state", "detail")

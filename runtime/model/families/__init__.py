@@ -23,6 +23,7 @@ from .idefics3 import Idefics3Family, SmolVLMFamily
 from .llava import LlavaStyleFamily
 from .llava_anyres import LlavaNextFamily, LlavaOnevisionFamily
 from .mistral3 import Mistral3Family
+from .qwen3_5 import Qwen3_5Family
 from .qwen_vl import Qwen3VLFamily, Qwen25VLFamily, QwenVLFamily
 
 IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
@@ -37,6 +38,7 @@ IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "Qwen2-VL": QwenVLFamily,
     "Qwen2.5-VL": Qwen25VLFamily,
     "Qwen3-VL": Qwen3VLFamily,
+    "Qwen3.5": Qwen3_5Family,
 }
 
 __all__ = ["EmbeddingFormatError", "ImageEmbedding", "ModelFamily", "PositionKind", "PositionPlan",

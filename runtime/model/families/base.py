@@ -146,6 +146,15 @@ class ModelFamily(ABC):
         """Positions of the prompt ``token_ids`` whose images have ``grids`` (placeholders already checked)."""
         return PositionPlan(None, 0)
 
+    # -- hybrid decoders -------------------------------------------------------------
+    def kv_layer_indices(self) -> list[int]:
+        """The decoder layers whose attention reads the paged KV pool (all of them, unless the family is hybrid)."""
+        return list(range(int(self.config.get_text_config().num_hidden_layers)))
+
+    def state_layout(self, dtype: torch.dtype) -> Any:
+        """The per-sequence fixed-size state of a hybrid decoder (a ``state_slots.StateLayout``), or ``None``."""
+        return None
+
     def describe(self) -> str:
         return f"{self.name} ({self.position_kind.name} positions)"
 
