@@ -9,8 +9,9 @@ Queues, in order (moving a sequence from one to the next IS its state change; it
 
 One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
-budget), so a long colocated prompt is spread across steps instead of stalling
-its neighbours for its whole length. A colocated prompt is a ``PreparedPrompt``
+budget: while sequences decode, ``step_budget.StepBudget`` prices the prompt tokens a
+step may carry so it stays near a decode step's own time), so a long colocated prompt,
+or a burst of short ones, is spread across steps instead of stalling its neighbours. A colocated prompt is a ``PreparedPrompt``
 (embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
 decode token carries its sequence's ``rope_delta`` (M-RoPE: position = index +
 delta; 0 for 1-D families), verified before the sequence was handed over. Sequences join and leave only at step
@@ -57,6 +58,7 @@ from runtime.worker.timing_log import TimingLog
 
 from .request_status import DecodeStatus, finish_reason
 from .reservations import Lease
+from .step_budget import StepBudget
 
 log = logging.getLogger("epd.decode")
 
@@ -128,6 +130,7 @@ class DecodeScheduler:
         self.states = states   # hybrid decoders: the reservations' state slots, updated in place by each step
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
+        self.step_budget = StepBudget(prefill_token_budget)   # prompt tokens beside running decodes
         self.on_retire = on_retire or (lambda seq: None)
         self.timings = timings or TimingLog()
         self.step_delay_s = step_delay_s   # fault injection (``delay_step_ms``): every step waits first
@@ -254,7 +257,7 @@ class DecodeScheduler:
             return
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
-        budget = self.prefill_token_budget
+        budget = self.step_budget.prefill_tokens(len(decoding))
         for seq in self._prefilling:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
@@ -268,6 +271,7 @@ class DecodeScheduler:
         step_ms = (time.perf_counter() - started) * 1000
         self.steps += 1
         self.max_observed_batch = max(self.max_observed_batch, len(decoding) + len(chunks))
+        self.step_budget.observe(len(decoding), sum(e - s for _, s, e in chunks), step_ms)
         # Only pure steps are samples: a step that both decodes and prefills costs more than
         # either part, and would inflate the decode-step and prefill fits alike.
         if decoding and not chunks:

@@ -10,6 +10,7 @@ from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.faults import FaultInjector
 from runtime.worker.runner import WorkerRole, kv_pool_for, run_worker
 from runtime.worker.settings import WorkerSettings
+from runtime.worker.threads import fit_threads
 
 from .bulk_receiver import BulkKVServer
 from .servicer import DecodeServicer
@@ -19,6 +20,7 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer:
     """The KV pool, the servicer (reservations, receiver, scheduler, lease reaper) and the bulk KV path."""
+    threads = fit_threads(adapter.model)
     # hybrid decoders keep no prefix cache: a cached block has KV but no linear-attention state saved with it
     pool = kv_pool_for(adapter, settings, prefix_cache=settings.prefix_cache and not adapter.hybrid)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,
@@ -31,8 +33,8 @@ async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer
         port = await bulk.start(settings.host, settings.bulk_port)
         servicer.add_bulk_path(settings.advertised_address("decode", port), bulk.stop)
         log.info("bulk KV path on %s", servicer.bulk_address)
-    log.info("decode KV pool: %d blocks of %d tokens (%s), prefix cache %s", pool.num_blocks, pool.block_size,
-             adapter.kv_layout.describe(), "on" if pool.prefix_cache else "off")
+    log.info("decode KV pool: %d blocks of %d tokens (%s), prefix cache %s, %d torch threads", pool.num_blocks,
+             pool.block_size, adapter.kv_layout.describe(), "on" if pool.prefix_cache else "off", threads)
     return servicer
 
 

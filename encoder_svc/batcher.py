@@ -1,7 +1,10 @@
 """Micro-batching of concurrent encode requests.
 
 Images submitted within ``window_ms`` of each other (up to ``max_batch``) run
-through the vision tower as one batch in a worker thread. Each submitter awaits
+through the vision tower as one batch in a worker thread. The window is waited only while
+the encoder is busy (a batch ended less than ``window_ms`` before the image came, so more are
+likely on the way); an image reaching an idle encoder runs at once, so a lone request's TTFT
+does not pay the window. Images that arrive during a batch go together in the next. Each submitter awaits
 its own future; a failed batch fails exactly its members.
 """
 
@@ -25,6 +28,8 @@ class EncodeBatcher:
         self.timings = timings or TimingLog()
         self.computes = 0
         self.max_observed_batch = 0
+        self.idle_starts = 0               # batches started at once: the encoder was idle
+        self._last_end = float("-inf")     # time.monotonic() when the last batch ended
         self._pending: list[tuple[Image.Image, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -56,8 +61,11 @@ class EncodeBatcher:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            if self.window_s and len(self._pending) < self.max_batch:
+            busy = time.monotonic() - self._last_end < self.window_s
+            if busy and len(self._pending) < self.max_batch:
                 await asyncio.sleep(self.window_s)
+            elif not busy:
+                self.idle_starts += 1
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
             batch = [(im, f) for im, f in batch if not f.cancelled()]
             if not batch:
@@ -66,10 +74,12 @@ class EncodeBatcher:
             try:
                 outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _ in batch])
             except Exception as exc:
+                self._last_end = time.monotonic()
                 for _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
+            self._last_end = time.monotonic()
             self.timings.record("encode", len(batch), (time.perf_counter() - started) * 1000)
             self.computes += len(batch)
             self.max_observed_batch = max(self.max_observed_batch, len(batch))

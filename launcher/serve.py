@@ -16,7 +16,12 @@ must agree on; ``--no-prefix-cache`` goes to the decode workers). Besides serve'
 - ``EPD_ENCODER_ADDRS``, ``EPD_PREFILL_ADDRS``, ``EPD_DECODE_ADDRS``: every worker's address,
   all fixed before the first one starts (a role without workers: the variable is unset);
 - ``EPD_INTERNAL_TOKEN``: the one set, else one generated for this run (never printed);
-- the gateway alone: ``EPD_API_KEY``, the ``--api-key`` values comma-separated.
+- the gateway alone: ``EPD_API_KEY``, the ``--api-key`` values comma-separated;
+- ``OMP_NUM_THREADS``, unless serve's environment sets it: on the CPU each decode worker gets
+  ``cpus // decodes`` threads and every other process ``cpus // model workers`` (at least 1; on
+  CUDA 1). The decode worker runs the step every streamed token waits for, and colocated
+  prompts too, while the prefill worker idles at low load and the encoder runs in bursts, so
+  it gets the cores (``worker_threads``).
 """
 
 from __future__ import annotations
@@ -126,9 +131,7 @@ def plan_addresses(args: argparse.Namespace) -> dict[str, list[str]]:
 def child_environments(args: argparse.Namespace, addrs: dict[str, list[str]],
                        environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """(every worker's environment, the gateway's)."""
-    n_models = sum(len(a) for a in addrs.values())
     env = {**environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_models)) if args.device == "cpu" else "1")
     if args.redis_url:
         env["EPD_REDIS_URL"] = args.redis_url
     else:
@@ -143,6 +146,7 @@ def child_environments(args: argparse.Namespace, addrs: dict[str, list[str]],
             env.pop(name, None)
     workers = {k: v for k, v in env.items() if k != "EPD_API_KEY"}
     gateway = dict(workers)
+    gateway.setdefault("OMP_NUM_THREADS", str(worker_threads("gateway", addrs, args.device)))
     if args.api_key:
         gateway["EPD_API_KEY"] = ",".join(args.api_key)
     return workers, gateway
@@ -156,8 +160,22 @@ def observability_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def worker_threads(role: str, addrs: dict[str, list[str]], device: str, cpus: int | None = None) -> int:
+    """A process's torch threads when serve's environment does not fix ``OMP_NUM_THREADS``: the
+    cores split among the decode workers for each of them, an even share of all model workers
+    for the others (at least 1; 1 on CUDA, where the GPU does the work)."""
+    if device != "cpu":
+        return 1
+    cpus = cpus or os.cpu_count() or 1
+    if role == "decode":
+        return max(1, cpus // max(1, len(addrs["decode"])))
+    return max(1, cpus // max(1, sum(len(a) for a in addrs.values())))
+
+
 def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[str, list[str]],
                  env: dict[str, str]) -> list[ChildSpec]:
+    """Every worker's command and environment: ``env`` plus its role's ``OMP_NUM_THREADS``
+    (``worker_threads``) unless ``env`` already sets it (serve's own environment did)."""
     specs = []
     n = 0
     for role in ROLES:
@@ -171,7 +189,8 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--bulk-port", str(worker.bulk_port + i)]
             if role == "decode" and not args.prefix_cache:
                 argv += ["--no-prefix-cache"]
-            specs.append(ChildSpec(role, address, argv, env, functools.partial(grpc_serving, address),
+            child_env = {"OMP_NUM_THREADS": str(worker_threads(role, addrs, args.device)), **env}
+            specs.append(ChildSpec(role, address, argv, child_env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1
     return specs

@@ -179,3 +179,19 @@ def test_no_prefix_cache_reaches_the_decode_workers_alone(monkeypatch):
     monkeypatch.delenv("EPD_PREFIX_CACHE")
     assert parse_worker_args("decode", ["--no-prefix-cache"]).prefix_cache is False
     assert parse_worker_args("decode", []).prefix_cache is True
+
+
+def test_the_decode_worker_gets_the_cores_unless_the_environment_fixes_threads(monkeypatch):
+    one = {"encoder": ["e:1"], "prefill": ["p:1"], "decode": ["d:1"]}
+    two = {**one, "decode": ["d:1", "d:2"]}
+    assert [serve.worker_threads(r, one, "cpu", cpus=2) for r in ("encoder", "prefill", "decode", "gateway")] == [1, 1, 2, 1]
+    assert [serve.worker_threads(r, two, "cpu", cpus=8) for r in ("encoder", "decode")] == [2, 4]
+    assert serve.worker_threads("decode", one, "cuda", cpus=8) == 1
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 4)
+    args, addrs, workers, gateway = build([], {})
+    assert {w.role: w.env["OMP_NUM_THREADS"] for w in workers} == {"encoder": "1", "prefill": "1", "decode": "4"}
+    assert gateway.env["OMP_NUM_THREADS"] == "1"
+    args, addrs, workers, gateway = build([], {"OMP_NUM_THREADS": "3"})   # serve's own setting wins
+    assert {w.env["OMP_NUM_THREADS"] for w in [*workers, gateway]} == {"3"}
+
+

@@ -1,0 +1,50 @@
+"""How many prompt tokens one decode step may carry beside running decodes.
+
+Every running sequence's next token waits for the step, so a step that also prefills colocated
+prompts is an inter-token gap for all of them. The policy (vLLM's token budget per step, priced
+in time instead of tokens): while sequences decode, the prompt chunks mixed into a step may add
+at most ``max(stretch x the decode step's own time, floor_ms)`` to it, priced from the measured
+cost of one prompt token; at least ``min_tokens`` always go in (no prompt starves behind a
+busy batch). With nothing decoding a step takes the full prefill budget (nobody's gap grows).
+
+Both costs are moving averages of the scheduler's own steps: ``decode_ms`` of steps that only
+decode, ``token_ms`` of the prompt tokens in a step (steps that only prefill: their time per
+token, which overstates it by the step's fixed cost, so it errs toward small chunks; mixed
+steps: the time beyond ``decode_ms``, per token). Before the first sample of either, the full
+budget applies. On a cheap model (the demo's ~3 ms steps) ``floor_ms`` leaves the budget at
+the full prefill budget; on the 140M bench model it is about one short prompt per step.
+"""
+
+from __future__ import annotations
+
+ALPHA = 0.3   # weight of the newest sample in each moving average
+
+
+class StepBudget:
+    def __init__(self, full_tokens: int, *, stretch: float = 1.0, floor_ms: float = 20.0, min_tokens: int = 16):
+        self.full_tokens = full_tokens
+        self.stretch = stretch
+        self.floor_ms = floor_ms
+        self.min_tokens = min(min_tokens, full_tokens)
+        self.decode_ms: float | None = None   # a step of decodes alone
+        self.token_ms: float | None = None    # one prompt token's share of a step
+
+    def prefill_tokens(self, decoding: int) -> int:
+        """The prompt tokens the next step may carry beside ``decoding`` running sequences."""
+        if not decoding or self.decode_ms is None or not self.token_ms:
+            return self.full_tokens
+        allowed_ms = max(self.stretch * self.decode_ms, self.floor_ms)
+        return max(self.min_tokens, min(self.full_tokens, int(allowed_ms / self.token_ms)))
+
+    def observe(self, decoding: int, prompt_tokens: int, step_ms: float) -> None:
+        """One finished step: ``decoding`` sequences decoded and ``prompt_tokens`` prompt tokens ran."""
+        if decoding and not prompt_tokens:
+            self.decode_ms = _mix(self.decode_ms, step_ms)
+        elif prompt_tokens and not decoding:
+            self.token_ms = _mix(self.token_ms, step_ms / prompt_tokens)
+        elif prompt_tokens and self.decode_ms is not None:
+            self.token_ms = _mix(self.token_ms, max(step_ms - self.decode_ms, 0.0) / prompt_tokens)
+
+
+def _mix(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
