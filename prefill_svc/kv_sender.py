@@ -53,6 +53,7 @@ class FinalChunk:
     first: SampledToken           # the first token, with its logprobs when the request asked for them
     prefill_ms: float             # the prompt's summed compute, for decode's first event
     rope_delta: int               # the prompt's (0 for 1-D families): decode checks it against the reservation
+    others: tuple[SampledToken, ...] = ()   # n > 1: the first token of choices 1..n-1 (decode forks with them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,11 @@ class ChunkFraming:
             msg.token_digest, msg.model_fingerprint = self.token_digest, self.model_fingerprint
             msg.prefill_ms = chunk.final.prefill_ms
             msg.rope_delta = chunk.final.rope_delta
+            for other in chunk.final.others:
+                msg.choice_first_tokens.append(other.token_id)
+                other_logprobs = logprobs_to_pb(other)
+                if other_logprobs is not None:
+                    msg.choice_first_logprobs.append(other_logprobs)
         return msg
 
 
