@@ -11,6 +11,9 @@ A choice that ends here (a stop string, ``max_tokens``) ignores the rest of its 
 decode ends that choice only when the request ends (the reservation held for every
 choice is released then). ``completion_tokens`` sums the choices.
 
+Metrics count the request once: every choice's tokens and gaps, but one TTFT (the first
+token of any choice) and one end-to-end latency and finish (when the last choice ends).
+
 Ownership: ``close`` closes the backend's generator (the cancel signal) on every path; when
 the backend itself finished every choice, it is first run to its end, as ``Generation``
 does for one reply.
@@ -41,13 +44,47 @@ class _NoEvents:
         return None
 
 
+class _RequestMetrics:
+    """What the choices' ``Generation``s record, counted per request: tokens and gaps per choice, the
+    TTFT once (the first choice's first token), the end-to-end latency and the finish once (the last
+    choice's)."""
+
+    def __init__(self, metrics: HttpMetrics, n: int):
+        self._metrics, self._left, self._ttft_seen = metrics, n, False
+        self.generation_tokens = metrics.generation_tokens
+        self.e2e, self.success = self, self
+
+    def observe_ttft(self, ttft_s: float) -> None:
+        if not self._ttft_seen:
+            self._ttft_seen = True
+            self._metrics.observe_ttft(ttft_s)
+
+    def observe_tokens(self, gap_s: float, count: int) -> None:
+        self._metrics.observe_tokens(gap_s, count)
+
+    def observe(self, e2e_s: float) -> None:   # as e2e: each choice ends once; the last one is the request's
+        self._left -= 1
+        if self._left == 0:
+            self._metrics.e2e.observe(e2e_s)
+
+    def labels(self, finished_reason: str):     # as success: counted with the last choice's end (just observed)
+        return self._metrics.success.labels(finished_reason=finished_reason) if self._left == 0 else _NotCounted
+
+
+class _NotCounted:
+    @staticmethod
+    def inc() -> None:
+        return None
+
+
 class Choices:
     def __init__(self, stream: Generation, first: TokenEvent, detoks: list[IncrementalDetokenizer],
                  metrics: HttpMetrics, submitted_s: float):
         self.stream = stream               # owns the backend's generator; its own counters stay unused
         self.job: ChatJob = stream.job
         self.first = first
-        self.gens = [Generation(self.job, _NoEvents(), d, metrics, submitted_s) for d in detoks]
+        counted = _RequestMetrics(metrics, len(detoks))
+        self.gens = [Generation(self.job, _NoEvents(), d, counted, submitted_s) for d in detoks]  # type: ignore[arg-type]
         self._first_index = first.index
         self._drain = True                 # until the first close
 
