@@ -16,24 +16,16 @@ import httpx
 import openai
 import pytest
 
-from cluster import Cluster
+from cluster import PLACEMENTS, placement_pair
 from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
-from test_sampling_api import MODEL, PLACEMENTS, image_chat
+from test_sampling_api import MODEL, image_chat
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("choices"))
-    try:
-        c.start("encoder")
-        c.start("decode", env=LONG_LEASES)
-        c.start("prefill")
-        c.wait_healthy()
-        gateways = {p: c.start_gateway("--placement", p, "--prefill-chunk-tokens", "8") for p in PLACEMENTS}
-        c.wait_gateways()
-        yield c, gateways
-    finally:
-        c.stop()
+    with placement_pair(tmp_path_factory.mktemp("choices"), "--prefill-chunk-tokens", "8",
+                        decode_env=LONG_LEASES) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)
