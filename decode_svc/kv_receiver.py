@@ -172,6 +172,8 @@ class KVReceiver:
             attempt.total_chunks = chunk.total_chunks
             attempt.first_token = chunk.first_token
             attempt.first_logprobs = chunk.first_logprobs if chunk.HasField("first_logprobs") else None
+            attempt.choice_first_tokens = list(chunk.choice_first_tokens)
+            attempt.choice_first_logprobs = list(chunk.choice_first_logprobs)
             attempt.token_digest = chunk.token_digest
             attempt.model_fingerprint = chunk.model_fingerprint
             attempt.rope_delta = self.rope_delta.read(chunk)

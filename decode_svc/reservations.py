@@ -42,6 +42,14 @@ Hybrid decoders (``states``: a ``StateSlotPool``): a reservation also holds one 
 (both or neither) and freed with them by the one ``release``. Such a reservation never
 reuses or caches a prefix: a block boundary has KV but no saved linear state, so a cached
 prefix could only be continued from a wrong (absent) state.
+
+Choices (``n`` > 1, ``choices_blocks``): one reservation holds every choice's blocks, all under
+its owner token. Choice 0's table is ``blocks``, as for one choice; choice ``i`` > 0 shares its
+``F = prompt_tokens // block_size`` full prompt blocks and owns ``forks[i - 1]``: a copy of the
+last partial prompt block (the decode worker copies it when the sequence forks) and its output
+blocks. The full prompt blocks are reference-counted by the choices still live: each choice
+retires once (``retire_choice``), a fork's own blocks are freed when it retires, and the last
+choice's retirement releases the reservation (the prompt blocks, choice 0's, any fork left).
 """
 
 from __future__ import annotations
@@ -82,6 +90,8 @@ class TransferAttempt:
     total_chunks: int | None = None
     first_token: int | None = None
     first_logprobs: pb.TokenLogprobs | None = None  # the final chunk's, when the request asked for logprobs
+    choice_first_tokens: list[int] = field(default_factory=list)   # n > 1: choices 1..n-1's first tokens
+    choice_first_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)   # and theirs (when asked)
     token_digest: str = ""
     model_fingerprint: str = ""
     rope_delta: int | None = None                   # the final chunk's (None: it carried none)
@@ -120,6 +130,9 @@ class Reservation:
     keys_verified: bool = False  # the decode worker recomputed ``prefix_keys`` from the prompt: cacheable
     block_size: int = 16
     state_slot: int | None = None   # hybrid decoders: the linear-attention state slot (freed with the blocks)
+    forks: list[list[int]] = field(default_factory=list)   # choice i > 0's own blocks at i - 1 ([] once freed)
+    retired: set[int] = field(default_factory=set)         # choices whose sequence retired (each once)
+    cache_tokens: int = 0        # the most prompt KV any retired choice had written (what release may cache)
     created_at: float = field(default_factory=time.monotonic)
     _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
 
@@ -130,7 +143,20 @@ class Reservation:
     @property
     def owned(self) -> list[int]:
         """The blocks this reservation allocated (its owner token's); the rest are shared cached ones."""
-        return self.blocks[self.shared:]
+        return self.blocks[self.shared:] + [b for fork in self.forks for b in fork]
+
+    @property
+    def choices(self) -> int:
+        return 1 + len(self.forks)
+
+    @property
+    def full_prompt_blocks(self) -> int:
+        """``F``: the leading blocks every choice shares (whole prompt blocks, never written after the prompt)."""
+        return self.prompt_tokens // self.block_size
+
+    def choice_blocks(self, index: int) -> list[int]:
+        """Choice ``index``'s block table: ``blocks`` for 0, the shared full prompt blocks + its fork for the others."""
+        return self.blocks if index == 0 else self.blocks[: self.full_prompt_blocks] + self.forks[index - 1]
 
     @property
     def cached_tokens(self) -> int:
@@ -191,10 +217,15 @@ class ReservationTable:
         self.reaped_total = 0        # released by the lease reaper: a leak somebody else should have freed
 
     # -- check, then commit -----------------------------------------------------
-    def can_reserve(self, prompt_tokens: int, max_tokens: int) -> Fit:
+    def blocks_needed(self, prompt_tokens: int, max_tokens: int, choices: int = 1) -> int:
+        """The prompt's blocks once, plus each further choice's own (its partial prompt block and output)."""
+        one = self.pool.blocks_for(prompt_tokens + max_tokens)
+        return one + (choices - 1) * (one - prompt_tokens // self.pool.block_size)
+
+    def can_reserve(self, prompt_tokens: int, max_tokens: int, choices: int = 1) -> Fit:
         """Whether ``reserve`` would get its blocks now; no side effect."""
-        blocks = self.pool.blocks_for(prompt_tokens + max_tokens)
-        if blocks > self.pool.num_blocks or (self.states is not None and self.states.num_slots == 0):
+        blocks = self.blocks_needed(prompt_tokens, max_tokens, choices)
+        if blocks > self.pool.num_blocks or (self.states is not None and (self.states.num_slots == 0 or choices > 1)):
             return Fit.NEVER
         if self.states is not None and self.states.free_slots == 0:
             return Fit.NO_ROOM
@@ -202,7 +233,8 @@ class ReservationTable:
 
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
                 token_digest: str, model_fingerprint: str, rope_delta: int = 0, *,
-                prefix_keys: list[bytes] | None = None, reuse_prefix: bool = False) -> Reservation | None:
+                prefix_keys: list[bytes] | None = None, reuse_prefix: bool = False,
+                choices: int = 1) -> Reservation | None:
         """Allocate destination blocks now, or return ``None`` (nothing taken).
 
         ``reuse_prefix``: start the block table with the cached blocks of the longest cached chain
@@ -223,13 +255,17 @@ class ReservationTable:
                 self.pool.unref(shared)
                 return None
         owner = self.pool.new_token()
-        owned = self.pool.allocate_blocks(self.pool.blocks_for(prompt_tokens + max_tokens) - len(shared), owner)
+        one = self.pool.blocks_for(prompt_tokens + max_tokens)
+        per_fork = one - prompt_tokens // self.pool.block_size
+        owned = self.pool.allocate_blocks(self.blocks_needed(prompt_tokens, max_tokens, choices) - len(shared), owner)
         if owned is None:
             self.pool.unref(shared)
             if slot is not None:
                 self.states.free(slot)
             return None
-        blocks = shared + owned
+        blocks = shared + owned[: one - len(shared)]
+        rest = owned[one - len(shared):]
+        forks = [rest[i * per_fork: (i + 1) * per_fork] for i in range(choices - 1)]
         lease_end = min(deadline_s, time.monotonic() + self.max_lease_s)
         res = Reservation(
             request_id=request_id,
@@ -247,6 +283,7 @@ class ReservationTable:
             shared=len(shared),
             block_size=self.pool.block_size,
             state_slot=slot,
+            forks=forks,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -322,9 +359,27 @@ class ReservationTable:
         self.pool.check_owner(owned, owner, "free")      # nothing changes on a mismatch
         self.pool.cache(res.blocks[res.shared: keep], res.prefix_keys[res.shared: keep], owner)
         self.pool.free(res.blocks[keep:], owner=owner)
+        for i, fork in enumerate(res.forks):
+            self.pool.free(fork, owner=owner)
+            res.forks[i] = []
         self.pool.unref(res.blocks[: res.shared])
         if res.state_slot is not None:
             self.states.free(res.state_slot)
+        return True
+
+    def retire_choice(self, lease: Lease, index: int, reason: str = "", cache_tokens: int = 0) -> bool:
+        """Choice ``index``'s sequence retired (once per choice; only while ``lease`` is live): its fork's
+        blocks are freed now, and the last choice to retire releases the reservation. Whether this call freed."""
+        res = self._by_id.get(lease.reservation_id)
+        if res is None or not res.holds(lease) or index in res.retired or not 0 <= index < res.choices:
+            return False
+        res.retired.add(index)
+        res.cache_tokens = max(res.cache_tokens, cache_tokens)
+        if len(res.retired) == res.choices:
+            return self.release(lease.reservation_id, reason, res.cache_tokens)
+        if index > 0:
+            self.pool.free(res.forks[index - 1], owner=res.attempt.owner)
+            res.forks[index - 1] = []
         return True
 
     def release_lease(self, lease: Lease, reason: str = "", cache_tokens: int = 0) -> bool:

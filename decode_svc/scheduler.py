@@ -33,6 +33,15 @@ Hybrid decoders: each sequence also writes its reservation's state slot (``state
 linear-attention layers' state), which every step's forward updates in place; a colocated
 prompt's chunks carry it from chunk to chunk (``runtime/model/linear_attention.py``).
 
+Choices (``n`` > 1): each choice is its own ``Sequence`` (its ``index``, its sampling
+parameters, output, matcher), all on one events queue. A disaggregated request's choices are
+inserted together once the transfer is verified, each with the first token prefill sampled
+for it; a colocated one prefills choice 0 only, with the others waiting in its ``forks``:
+the step that completes the prompt samples every choice's first token from the same logits
+(and the same grammar mask), and ``fork`` copies the last partial prompt block into each
+other choice's own block before any step writes past the prompt. A choice retires on its
+own; choices still waiting end with their prompt.
+
 Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
 reservation holds references on them; the lease check covers the rest). A colocated
 sequence whose reservation reused a cached prefix starts prefilling at ``prefilled =
@@ -69,6 +78,7 @@ class StepEvent:
     end: DecodeStatus | None = None    # the sequence's finished status on its last event
     detail: str = ""
     logprobs: list[SampledToken] = field(default_factory=list)   # one per token when the request asked
+    index: int = 0                     # the choice (n > 1) these tokens and this end belong to
 
     @property
     def finish_reason(self) -> str | None:
@@ -95,6 +105,8 @@ class Sequence:
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
     state_slot: int | None = None      # hybrid decoders: its reservation's linear-attention state slot
+    index: int = 0                     # its choice (n > 1): choices share one events queue, told apart by index
+    forks: list["Sequence"] = field(default_factory=list)   # colocated choice 0: choices forked when its prompt is in
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -162,6 +174,17 @@ class DecodeScheduler:
         seq._status = DecodeStatus.PREFILLING
         self._prefilling.append(seq)
         self._wake.set()
+
+    def fork(self, parent: Sequence, child: Sequence, first: SampledToken) -> None:
+        """Choice ``child`` joins from ``parent``'s prompt KV: the full prompt blocks are shared (the same
+        block ids in both tables), the last partial one is copied into ``child``'s own block first. Called
+        right after ``parent``'s prompt is complete, before any step writes past it."""
+        if self._lease_lost(child):
+            return
+        full, partial = divmod(child.prompt_len, self.pool.block_size)
+        if partial:
+            self.pool.copy_block(parent.blocks[full], child.blocks[full], owner=child.lease.owner)
+        self.insert(child, first)
 
     def _start_grammar(self, seq: Sequence) -> bool:
         """A constrained sequence's matcher, at the grammar's start: it verifies every token from here
@@ -283,14 +306,18 @@ class DecodeScheduler:
             if seq in self._cancelling or seq.status.is_finished:
                 continue
             self._accept(seq, token)
-        for (seq, _, end), token in zip(chunks, first_tokens):
+        for (seq, _, end), tokens in zip(chunks, first_tokens):
             seq.prefilled = end
-            if token is None or seq in self._cancelling:
+            if tokens is None or seq in self._cancelling:
                 continue
             seq.first_step_ms = step_ms
             self._prefilling.remove(seq)
             seq.prompt = None
-            self.insert(seq, token)
+            forks, seq.forks = seq.forks, []
+            self.insert(seq, tokens[0])
+            for child, token in zip(forks, tokens[1:]):
+                child.first_step_ms = step_ms
+                self.fork(seq, child, token)
 
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         items: list[PackedItem] = []
@@ -307,13 +334,15 @@ class DecodeScheduler:
         first_tokens = []
         for j, (seq, _, end) in enumerate(chunks):
             row = logits[len(decoding) + j]
-            first_tokens.append(None if row is None else self._sample(seq, row, seq.prompt_len))
+            first_tokens.append(None if row is None else
+                                [self._sample(s, row, seq.prompt_len, _allowed(seq)) for s in (seq, *seq.forks)])
         return next_tokens, first_tokens
 
-    def _sample(self, seq: Sequence, logits, position: int) -> SampledToken:
-        """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far."""
+    def _sample(self, seq: Sequence, logits, position: int, allowed=None) -> SampledToken:
+        """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far
+        (``allowed``: the mask, when not ``seq``'s own matcher's: a fork's first token takes its parent's)."""
         ctx = SamplingContext(seq.prompt_ids, seq.output, self.adapter.eos_token_ids)
-        return sample(logits, seq.sampling, ctx, position, _allowed(seq))
+        return sample(logits, seq.sampling, ctx, position, _allowed(seq) if allowed is None else allowed)
 
     # -- retirement -------------------------------------------------------------
     def _accept(self, seq: Sequence, sampled: SampledToken) -> bool:
@@ -332,7 +361,8 @@ class DecodeScheduler:
             self._retire(seq, DecodeStatus.FINISHED_STOPPED)
             return False
         seq.output.append(token)
-        seq.events.put_nowait(StepEvent([token], logprobs=[sampled] if sampled.logprob is not None else []))
+        seq.events.put_nowait(StepEvent([token], logprobs=[sampled] if sampled.logprob is not None else [],
+                                        index=seq.index))
         if len(seq.output) >= seq.max_tokens or seq.prompt_len + len(seq.output) >= self.adapter.context_length:
             self._retire(seq, DecodeStatus.FINISHED_LENGTH)
             return False
@@ -349,6 +379,9 @@ class DecodeScheduler:
             self._prefilling.remove(seq)
         self._cancelling.discard(seq)
         seq.prompt = None
-        seq.events.put_nowait(StepEvent([], end, detail))
+        seq.events.put_nowait(StepEvent([], end, detail, index=seq.index))
         self.on_retire(seq)
+        forks, seq.forks = seq.forks, []
+        for child in forks:     # choices still waiting for this prompt end with it
+            self._retire(child, end, detail)
 

@@ -41,6 +41,14 @@ its keys' longest cached chain; ``Generate`` recomputes the keys from the prompt
 and refuses a reuse whose keys are not the prompt's (FAILED_PRECONDITION) before any forward;
 a verified sequence that retires STOPPED, LENGTH or CANCELLED hands its written full prompt
 blocks to the cache.
+
+Choices (``n`` > 1, ``SamplingParams.n``): ``Reserve`` takes blocks for all of them
+(``ReserveRequest.choices``; ``reservations.py``), ``Generate`` makes one ``Sequence`` per choice
+(choice i samples with ``for_choice``), inserted together after the verified transfer (each with
+the first token the last chunk carries for it) or forked from choice 0 when a colocated prompt
+is in (``scheduler.py``). Every event names its choice (``TokenEvent.index``); the stream ends
+when every choice has its finish reason. Each choice's retirement is counted once
+(``ReservationTable.retire_choice``); the last one releases the reservation.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from runtime.model.errors import AdapterInputError
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
 from runtime.model.prefix_keys import summary_id
+from runtime.model.sampling import MAX_CHOICES, for_choice
 from runtime.worker.faults import FaultInjector
 from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
@@ -142,7 +151,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def _on_retire(self, seq: Sequence) -> None:
         # KV written by completed steps is good on these ends; a failed step or a lost lease caches nothing
         good = seq.status in (DecodeStatus.FINISHED_STOPPED, DecodeStatus.FINISHED_LENGTH, DecodeStatus.FINISHED_CANCELLED)
-        self.table.release_lease(seq.lease, finish_reason(seq.status) or "retired", seq.kv_written if good else 0)
+        self.table.retire_choice(seq.lease, seq.index, finish_reason(seq.status) or "retired",
+                                 seq.kv_written if good else 0)
 
     async def _reap_leases(self) -> None:
         while True:
@@ -162,8 +172,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         problem = self.rope_delta.invalid(rope_delta, "Reserve")
         if problem:   # absent for an M-RoPE model, or non-zero for a 1-D one
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        choices = max(1, request.choices)
+        if choices > MAX_CHOICES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"choices must be at most {MAX_CHOICES}")
         tokens = request.prompt_tokens + request.max_tokens
-        fit = self.table.can_reserve(request.prompt_tokens, request.max_tokens)
+        fit = self.table.can_reserve(request.prompt_tokens, request.max_tokens, choices)
         if fit is Fit.NEVER:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{tokens} tokens can never fit this worker's KV pool")
         keys = list(request.prefix_keys) if self.pool.prefix_cache else []
@@ -173,7 +186,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 request.request_id, request.prompt_tokens, request.max_tokens,
                 unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
                 request.model_fingerprint or self.adapter.model_fingerprint, rope_delta,
-                prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys)) if fit is Fit.NOW else None
+                prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys),
+                choices=choices) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks"
@@ -217,6 +231,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:   # before attaching: nothing is held yet
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        res = self.table.get(request.reservation.reservation_id)
+        if res is not None and sampling.n != res.choices:   # before attaching: nothing changes
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"n={sampling.n} for a reservation of {res.choices} choices")
         res = self.table.attach(request.reservation.reservation_id, request.reservation.generation)
         if isinstance(res, AttachRefused):
             await context.abort(_ATTACH_CODES[res], res.value)
@@ -224,11 +242,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         # nothing waits past the lease: the reaper frees the blocks then anyway
         deadline = min(unix_ms_to_monotonic(request.deadline_unix_ms), res.lease_expires_at)
         arrived = time.monotonic()
-        seq = Sequence(request.request_id, lease, res.blocks, res.prompt_tokens,
-                       min(request.max_tokens or res.max_tokens, res.max_tokens), sampling,
-                       rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
-                       prompt_ids=list(request.token_ids) if sampling.needs_prompt_ids else [], shared=res.shared,
-                       state_slot=res.state_slot)
+        events: asyncio.Queue = asyncio.Queue()    # every choice's, told apart by index
+        prompt_ids = list(request.token_ids) if sampling.needs_prompt_ids else []
+        seqs = [Sequence(request.request_id, lease, res.choice_blocks(i), res.prompt_tokens,
+                         min(request.max_tokens or res.max_tokens, res.max_tokens), for_choice(sampling, i),
+                         rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
+                         prompt_ids=prompt_ids, events=events, shared=res.shared, index=i,
+                         state_slot=res.state_slot)
+                for i in range(res.choices)]
+        seq = seqs[0]
+        seq.forks = seqs[1:] if request.colocated else []
         keep_reservation = False
         try:
             annotate(**{"epd.request_id": request.request_id,
@@ -247,9 +270,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if failure is not None:
                     code, detail, keep_reservation = failure
                     await context.abort(code, detail)
+                firsts = self._choice_firsts(res)
+                if firsts is None:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"the transfer carried no first token for each of {res.choices} choices")
                 with span("decode.insert", **{"epd.request_id": request.request_id}):
-                    self.scheduler.insert(seq, sampled_from_pb(res.attempt.first_token, res.attempt.first_logprobs))
+                    self.scheduler.insert(seq, firsts[0])
+                    for child, first_token in zip(seqs[1:], firsts[1:]):
+                        self.scheduler.fork(seq, child, first_token)
             first = True
+            live = set(range(len(seqs)))
             while True:
                 timeout = max(0.0, deadline - time.monotonic()) if first else None
                 try:
@@ -263,18 +293,33 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if ev.end in _ABORT_CODES:
                     await context.abort(_ABORT_CODES[ev.end], ev.detail or ev.finish_reason)
                 out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "",
-                                    logprobs=[logprobs_to_pb(s) for s in ev.logprobs])
+                                    logprobs=[logprobs_to_pb(s) for s in ev.logprobs], index=ev.index)
                 if first:
                     first = False
                     self._fill_first_event(out, res, arrived, seq)
                 yield out
                 if ev.finish_reason:
-                    return
+                    live.discard(ev.index)
+                    if not live:
+                        return
         finally:
-            if self.scheduler.holds(seq):
-                self.scheduler.cancel(seq)           # retire callback releases
-            elif not seq.status.is_finished and not keep_reservation:
+            held = [s for s in seqs if self.scheduler.holds(s)]
+            for s in held:
+                self.scheduler.cancel(s)             # each retirement is counted; the last releases
+            if not held and not seq.status.is_finished and not keep_reservation:
                 self.table.release_lease(lease, "generate ended before insertion")
+
+    @staticmethod
+    def _choice_firsts(res: Reservation) -> list | None:
+        """Each choice's first token as the verified transfer's last chunk carries it (``None`` when it
+        carries another count, or logprobs for some and not all)."""
+        a = res.attempt
+        firsts = [sampled_from_pb(a.first_token, a.first_logprobs)]
+        others, other_logprobs = a.choice_first_tokens, a.choice_first_logprobs
+        if len(others) != res.choices - 1 or (other_logprobs and len(other_logprobs) != len(others)):
+            return None
+        firsts += [sampled_from_pb(t, other_logprobs[i] if other_logprobs else None) for i, t in enumerate(others)]
+        return firsts
 
     def _check_prefix_keys(self, request: pb.GenerateRequest, res: Reservation) -> str | None:
         """Mark the reservation's keys verified when the prompt the request carries gives them (and

@@ -12,7 +12,9 @@ Ownership and cancellation, the one rule both sides follow:
   ``DeadlineExceeded`` *before its first event* when the request cannot be run;
   after the first event it may still raise ``BackendFailure`` or
   ``DeadlineExceeded``.
-* The last event carries ``finish_reason``; the generator then ends.
+* The last event carries ``finish_reason``; the generator then ends. With ``n`` > 1
+  choices every event names its choice (``index``), each choice's last event carries
+  its ``finish_reason``, and the generator ends after the last choice's.
 * The HTTP layer closes the generator (``aclose()``) on every path — a normal
   end, a stop string matched, the client gone, the gateway's own deadline — so
   the backend's ``finally`` is where it releases what the request held
@@ -71,6 +73,7 @@ class TokenEvent:
     finish_reason: str | None = None                 # "stop" (EOS) or "length", on the last event only
     ttft_breakdown: dict[str, float] | None = None   # on the first event: milliseconds per stage
     logprobs: list[SampledToken] | None = None       # one per token when the request asked for logprobs
+    index: int = 0                                   # the choice (n > 1) the tokens and finish_reason are of
 
 
 class ChatBackend(Protocol):

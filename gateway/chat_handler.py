@@ -16,7 +16,8 @@ Lifecycle (every refusal before step 6 costs no model work):
    is sent, so admission refusals and deadline misses get their real status
    (429/503/504) even for ``stream: true``. The gateway's own guard fires
    ``deadline_grace_ms`` after the TTFT deadline should the backend not;
-7. tokens -> text (``IncrementalDetokenizer``) -> one JSON response or SSE chunks.
+7. tokens -> text (``IncrementalDetokenizer``) -> one JSON response or SSE chunks; with
+   ``n`` > 1, per choice (``gateway.choices``): chunks interleaved by ``index`` as they arrive.
 
 Ownership: from ``generate()`` on, the request's ``Generation`` holds the
 backend's event generator and this module closes it (``aclose``) on every
@@ -46,6 +47,7 @@ from runtime.model.grammar import GrammarError
 
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
+from .choices import Choices
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
@@ -195,7 +197,7 @@ class ChatHandler:
         token_ids = prompt.token_ids
         max_tokens = self.prompts.resolve_max_tokens(len(token_ids), chat.requested_max_tokens, self.settings.default_max_tokens)
         sampling = dataclasses.replace(chat.sampling_params(chat.requested_logprobs), grammar=plan.grammar)
-        problem = sampling_problem(sampling, max_tokens, len(self.prompts.decode_tokenizer))
+        problem = sampling_problem(sampling, max_tokens, len(self.prompts.decode_tokenizer), self.prompts.forks_choices)
         if problem is not None:
             raise ApiError.bad_request(problem[1], problem[0], "invalid_value")
         return ChatJob(
@@ -224,6 +226,12 @@ class ChatHandler:
         plan = await self.plan_output(chat)
         job = await self.build_job(request, chat, request_id, arrival_s, plan)
         generation, first = await self.start(request, job, chat.stop_sequences)
+        if job.sampling.n > 1:
+            choices = self.choices(request, generation, first, chat.stop_sequences)
+            shapers = [ReplyShaper(plan.parser) for _ in range(choices.n)]
+            if chat.stream:
+                return sse_response(self.guarded_stream(choices, self._sse_n(chat, choices, shapers)), request_id)
+            return await self._complete_n(request, chat, choices, shapers)
         shaper = ReplyShaper(plan.parser)
         if chat.stream:
             return sse_response(self.guarded_stream(generation, self._sse(chat, generation, first, shaper)), request_id)
@@ -243,6 +251,13 @@ class ChatHandler:
         log.debug("request %s admitted: %d prompt tokens, %d images, max_tokens %d",
                   job.request_id, len(job.token_ids), len(job.images), job.max_tokens)
         return generation, first
+
+    def choices(self, request: Request, generation: Generation, first: TokenEvent, stops: list[str]) -> Choices:
+        """``n`` > 1: the started request's choices, each with its own detokenizer and stop strings."""
+        detoks = [IncrementalDetokenizer(self.prompts.decode_tokenizer, stops) for _ in range(generation.job.sampling.n)]
+        choices = Choices(generation, first, detoks, self.metrics, generation.submitted_s)
+        request.state.generation = choices   # the request's record counts every choice
+        return choices
 
     async def serve(self, request: Request, id_prefix: str,
                     work: Callable[[Request, str, float], Awaitable[Response]]) -> Response:
@@ -343,8 +358,68 @@ class ChatHandler:
         }
         return JSONResponse(body.model_dump(mode="json"), headers=headers)
 
+    async def _complete_n(self, request: Request, chat: ChatCompletionRequest, choices: Choices,
+                          shapers: list[ReplyShaper]) -> JSONResponse:
+        async def collect() -> list[str]:
+            texts: list[list[str]] = [[] for _ in range(choices.n)]
+            async for index, text in choices.events():
+                texts[index].append(text)
+            return ["".join(t) for t in texts]
+
+        try:
+            contents = await unless_disconnected(request, collect())
+        finally:
+            await choices.close()
+        body = ChatCompletion(
+            id=choices.job.request_id, created=int(time.time()), model=chat.model,
+            choices=[Choice(index=i, message=shaper.message(content), finish_reason=shaper.finish_reason(gen.finish_reason),
+                            logprobs=self.logprob_format.chat(gen.take_logprobs()) if chat.logprobs else None)
+                     for i, (gen, shaper, content) in enumerate(zip(choices.gens, shapers, contents))],
+            usage=self._usage(choices),
+        )
+        headers = {"x-request-id": choices.job.request_id,
+                   BREAKDOWN_HEADER: json.dumps(choices.ttft_breakdown, separators=(",", ":"))}
+        return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+    async def _sse_n(self, chat: ChatCompletionRequest, choices: Choices,
+                     shapers: list[ReplyShaper]) -> AsyncIterator[bytes]:
+        """Each chunk carries one choice's delta with its ``index``, in arrival order; each choice's
+        finish chunk comes when it finishes (the last one carries the TTFT breakdown)."""
+        created = int(time.time())
+
+        def chunk(index: int, delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+            if chat.continuous_usage:
+                extra.setdefault("usage", self._usage(choices))
+            return sse_event(ChatCompletionChunk(
+                id=choices.job.request_id, created=created, model=chat.model,
+                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)], **extra))
+
+        for index in range(choices.n):
+            yield chunk(index, Delta(role="assistant", content=""))
+        async for index, text in choices.events():
+            gen, shaper = choices.gens[index], shapers[index]
+            samples = gen.take_logprobs()
+            if shaper.parser is not None:
+                for delta in shaper.deltas(text):
+                    yield chunk(index, delta)
+            elif text or samples:
+                yield chunk(index, Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
+            if gen.finish_reason is None:
+                continue
+            for delta in shaper.end_deltas():
+                yield chunk(index, delta)
+            last = choices.finish_reason is not None
+            if last:
+                await choices.close()   # release the backend's hold now, not after the last bytes are sent
+            yield chunk(index, Delta(), shaper.finish_reason(gen.finish_reason),
+                        **({"epd_ttft_breakdown": choices.ttft_breakdown} if last else {}))
+        await choices.close()
+        if chat.include_usage:
+            yield sse_event(ChatCompletionChunk(id=choices.job.request_id, created=created, model=chat.model,
+                                                choices=[], usage=self._usage(choices)))
+
     @staticmethod
-    def _usage(generation: Generation) -> Usage:
+    def _usage(generation: Generation | Choices) -> Usage:
         prompt = len(generation.job.token_ids)
         return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
                      total_tokens=prompt + generation.completion_tokens)
@@ -377,7 +452,7 @@ class ChatHandler:
             yield sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
                                                 choices=[], usage=self._usage(generation)))
 
-    async def guarded_stream(self, generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def guarded_stream(self, generation: Generation | Choices, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """``body``'s events, then ``[DONE]``; an error after the headers goes into the stream as an error
         object; every path closes ``generation`` and counts a stream the client left as cancelled."""
         outcome: str | None = None   # "finished" or a failure reason; None at the end means cancelled

@@ -7,7 +7,8 @@ backend's generator are exactly chat's. What differs: the prompt is tokenized
 as is (``add_special_tokens``, default true as in vLLM) with no chat template
 and no images, ``max_tokens`` defaults to 16 (OpenAI's), and ``logprobs`` is a
 count in the legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``,
-``text_offset``).
+``text_offset``). ``n`` > 1 is chat's too (``gateway.choices``): one choice per ``index``,
+streamed interleaved as the tokens arrive, ``usage`` summed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import ChatJob, TokenEvent
+from .choices import Choices
 from .chat_handler import (BREAKDOWN_HEADER, ITL_HEADER, TTFT_HEADER, ChatHandler, read_json_object, sse_event,
                            sse_response, unless_disconnected)
 from .completions_schema import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -65,7 +67,7 @@ class CompletionsHandler:
         max_tokens = prompts.resolve_max_tokens(len(prompt.token_ids), req.max_tokens, chat.settings.default_max_tokens,
                                                 prompt_param="prompt")
         sampling = req.sampling_params(req.logprobs)
-        problem = sampling_problem(sampling, max_tokens, len(prompts.decode_tokenizer))
+        problem = sampling_problem(sampling, max_tokens, len(prompts.decode_tokenizer), prompts.forks_choices)
         if problem is not None:
             raise ApiError.bad_request(problem[1], problem[0], "invalid_value")
         return ChatJob(
@@ -79,6 +81,11 @@ class CompletionsHandler:
         req = await self.parse(request)
         job = await self.build_job(request, req, request_id, arrival_s)
         generation, first = await self.chat.start(request, job, req.stop_sequences)
+        if job.sampling.n > 1:
+            choices = self.chat.choices(request, generation, first, req.stop_sequences)
+            if req.stream:
+                return sse_response(self.chat.guarded_stream(choices, self._sse_n(req, choices)), request_id)
+            return await self._complete_n(request, req, choices)
         if req.stream:
             return sse_response(self.chat.guarded_stream(generation, self._sse(req, generation, first)), request_id)
         return await self._complete(request, req, generation, first)
@@ -127,7 +134,55 @@ class CompletionsHandler:
                                        usage=usage(generation)))
 
 
-def usage(generation: Generation) -> Usage:
+    async def _complete_n(self, request: Request, req: CompletionRequest, choices: Choices) -> JSONResponse:
+        async def collect() -> list[str]:
+            texts: list[list[str]] = [[] for _ in range(choices.n)]
+            async for index, text in choices.events():
+                texts[index].append(text)
+            return ["".join(t) for t in texts]
+
+        try:
+            texts = await unless_disconnected(request, collect())
+        finally:
+            await choices.close()
+        body = Completion(id=choices.job.request_id, created=int(time.time()), model=req.model,
+                          choices=[CompletionChoice(index=i, text=text, logprobs=self._logprobs(req, gen, 0),
+                                                    finish_reason=gen.finish_reason)
+                                   for i, (gen, text) in enumerate(zip(choices.gens, texts))],
+                          usage=usage(choices))
+        headers = {"x-request-id": choices.job.request_id,
+                   BREAKDOWN_HEADER: pydantic_core.to_json(choices.ttft_breakdown).decode()}
+        return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+    async def _sse_n(self, req: CompletionRequest, choices: Choices) -> AsyncIterator[bytes]:
+        created, offsets = int(time.time()), [0] * choices.n
+
+        def chunk(choice: CompletionChoice, **extra) -> bytes:
+            if req.continuous_usage:
+                extra.setdefault("usage", usage(choices))
+            return sse_event(Completion(id=choices.job.request_id, created=created, model=req.model,
+                                        choices=[choice], **extra))
+
+        async for index, text in choices.events():
+            gen = choices.gens[index]
+            logprobs = self._logprobs(req, gen, offsets[index])
+            if text or (logprobs is not None and logprobs.tokens):
+                yield chunk(CompletionChoice(index=index, text=text, logprobs=logprobs))
+            offsets[index] += len(text)
+            if gen.finish_reason is None:
+                continue
+            last = choices.finish_reason is not None
+            if last:
+                await choices.close()   # release the backend's hold now, not after the last bytes are sent
+            yield chunk(CompletionChoice(index=index, text="", finish_reason=gen.finish_reason),
+                        **({"epd_ttft_breakdown": choices.ttft_breakdown} if last else {}))
+        await choices.close()
+        if req.include_usage:
+            yield sse_event(Completion(id=choices.job.request_id, created=created, model=req.model, choices=[],
+                                       usage=usage(choices)))
+
+
+def usage(generation: Generation | Choices) -> Usage:
     prompt = len(generation.job.token_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
                  total_tokens=prompt + generation.completion_tokens)

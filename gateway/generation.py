@@ -51,6 +51,11 @@ class Generation:
         self._backend_finished = False      # the backend sent the finish_reason (not a cut made here)
         self._logprobs: list[SampledToken] = []   # of the tokens consumed since the last take_logprobs()
 
+    @property
+    def backend_finished(self) -> bool:
+        """Whether the backend itself sent this reply's finish reason (not a cut made here)."""
+        return self._backend_finished
+
     async def first_event(self, grace_s: float) -> TokenEvent:
         """The first event, or the error that replaces it; the gateway's own deadline guard included."""
         remaining = self.job.ttft_deadline_s - time.monotonic() + grace_s

@@ -21,7 +21,8 @@ RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure pol
             held reservation, then close the old stream; OTHER_DECODE releases it and reserves
             on the new worker; FAIL releases it and raises (503, or 504 past the deadline).
             Bounded: the policy fails the request after a few attempts.
-STREAMING   yield decode's events; the one with a finish reason ends it (FINISHED).
+STREAMING   yield decode's events; the one with a finish reason ends it (FINISHED); with ``n`` > 1
+            choices, the last choice's finish reason (each event names its choice).
 
 Who frees what: the reservation is this object's while ``reservation`` is set. An event
 with a finish reason means decode retired the sequence and freed the blocks itself; every
@@ -189,19 +190,24 @@ class Handoff:
         self.state = HandoffState.ATTEMPTING
 
     async def _stream(self) -> AsyncIterator[TokenEvent]:
-        first = self.result.first
-        if first.finish_reason:
-            self.reservation = None   # the decode worker retired the sequence and freed its blocks itself
-            self.state = HandoffState.FINISHED
-        yield TokenEvent(list(first.token_ids), first.finish_reason or None, self.breakdown, _logprobs(first))
-        if first.finish_reason:
+        live = set(range(self.job.sampling.n))   # choices without their finish reason yet
+
+        def event(ev: pb.TokenEvent, breakdown: dict[str, float] | None = None) -> TokenEvent:
+            if ev.index not in range(self.job.sampling.n):
+                raise BackendFailure(f"decode sent choice {ev.index} of a request with n={self.job.sampling.n}", 502)
+            if ev.finish_reason:
+                live.discard(ev.index)
+                if not live:   # the decode worker retired every choice and freed the blocks itself
+                    self.reservation = None
+                    self.state = HandoffState.FINISHED
+            return TokenEvent(list(ev.token_ids), ev.finish_reason or None, breakdown, _logprobs(ev), ev.index)
+
+        yield event(self.result.first, self.breakdown)
+        if not live:
             return
         async for ev in self.result.stream:
-            if ev.finish_reason:
-                self.reservation = None
-                self.state = HandoffState.FINISHED
-            yield TokenEvent(list(ev.token_ids), ev.finish_reason or None, logprobs=_logprobs(ev))
-            if ev.finish_reason:
+            yield event(ev)
+            if not live:
                 return
 
     # -- helpers -------------------------------------------------------------------

@@ -384,13 +384,20 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str
+
+
 class ToolCallDelta(BaseModel):
-    """One tool call in a stream: sent whole (id, name and all its arguments) once it is complete."""
+    """A piece of one tool call in a stream, as OpenAI sends them: the call's first delta carries its
+    ``id``, ``type``, ``function.name`` and empty ``arguments``; the next ones (``index`` only) the
+    argument text, which clients append."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: FunctionCallDelta
 
 
 class Delta(BaseModel):

@@ -123,7 +123,7 @@ class Orchestrator:
         prefix = PrefixView.of(job, images.keys, self.registry.healthy("decode"))
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
-                             n_images=len(job.images), n_images_cached=images.n_cached)
+                             n_images=len(job.images), n_images_cached=images.n_cached, choices=job.sampling.n)
         with span("gateway.admission", **rid, **{"epd.remaining_ms": remaining_ms}) as s:
             admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms, prefix)
             if s is not None:

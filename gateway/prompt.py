@@ -53,6 +53,7 @@ from typing import Any
 
 import jinja2
 from PIL import Image
+import torch
 from transformers import AutoConfig
 
 from runtime.model import families, grammar, supported_models
@@ -89,6 +90,8 @@ class PromptBuilder:
         self.family = family
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.decode_tokenizer = copy.deepcopy(self.tokenizer)   # event-loop thread only
+        # hybrid decoders keep per-sequence linear-attention state that a fork of choices cannot share
+        self.forks_choices = family is None or family.state_layout(torch.float32) is None
         self.context_length = context_length
         self.logits_size = len(self.tokenizer)   # the model's, when built from a checkpoint
         self.floor = TokenFloor.of(self.tokenizer)

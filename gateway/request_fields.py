@@ -2,7 +2,7 @@
 
 The rule (also in ``gateway.openai_schema``): a field we honour is declared on
 the schema; a field listed here is accepted only at one of its no-op values
-(``n: 1``, ``logit_bias: {}``, ``logprobs: false`` ...), which
+(``logit_bias: {}``, ``logprobs: false`` ...), which
 many clients always send; any other value is refused (400,
 ``unsupported_parameter``, naming the field); a field in neither place is
 refused as unknown (400, ``unknown_parameter``), as OpenAI answers
@@ -66,7 +66,6 @@ def _noop(*values: Any) -> NoOp:
 # -- the tables ------------------------------------------------------------------------
 TOP_LEVEL: Mapping[str, NoOp] = {
     # OpenAI
-    "n": _noop(1),
     "logit_bias": _noop({}),
     "functions": _noop([]),
     "function_call": _noop("none", "auto"),
@@ -117,7 +116,6 @@ TOP_LEVEL: Mapping[str, NoOp] = {
 
 # /v1/completions: what its OpenAI and vLLM schemas add, accepted only at the no-op value
 COMPLETIONS: Mapping[str, NoOp] = {
-    "n": _noop(1),
     "best_of": _noop(1),
     "echo": _noop(False),
     "suffix": _noop(),

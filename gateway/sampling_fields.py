@@ -6,7 +6,9 @@ penalties 0; vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``stop_token_ids``, ``ignore_eos``; clients send them in
 ``extra_body``) are off unless given. What the schema cannot say alone is
 checked in ``sampling_problem``: ``min_tokens`` above the request's max tokens,
-a stop token id outside the vocabulary.
+a stop token id outside the vocabulary. ``n`` (choices of one prompt, up to
+``MAX_CHOICES``) combines with every other field: each choice samples, stops,
+is constrained and reports logprobs on its own (``gateway/choices.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.model.sampling import (
     INT32_MAX,
+    MAX_CHOICES,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
@@ -42,6 +45,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)   # choices sharing the prompt's KV
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # vLLM extras
@@ -84,11 +88,16 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(dict.fromkeys(self.stop_token_ids or ())),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            n=self.n or 1,
         )
 
 
-def sampling_problem(params: SamplingParams, max_tokens: int, vocab_size: int) -> tuple[str, str] | None:
-    """``(param, message)`` for what only the resolved request shows, else ``None``."""
+def sampling_problem(params: SamplingParams, max_tokens: int, vocab_size: int,
+                     forks_choices: bool = True) -> tuple[str, str] | None:
+    """``(param, message)`` for what only the resolved request shows, else ``None``. ``forks_choices``:
+    the model's sequences can fork into ``n`` choices (a hybrid decoder's linear-attention state cannot)."""
+    if params.n > 1 and not forks_choices:
+        return "n", "n > 1 is not supported for this model (its linear-attention state is per sequence)"
     if params.min_tokens > max_tokens:
         return "min_tokens", f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})"
     outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]

@@ -3,9 +3,11 @@
 Without a parser (no tools, or ``tool_choice: "none"``) the text is the content, piece
 by piece. With one, ``message()`` splits the whole text into content and
 ``tool_calls``; ``deltas()`` does the same while streaming: content deltas as the
-text comes, and each tool call as one delta (index, id, name and its whole
-``arguments``) once its block is complete, which OpenAI's clients accumulate like
-any other tool-call delta. A reply with calls that ended on its own finishes
+text comes, and each tool call in OpenAI's shape once its block is complete: a first
+delta with its ``index``, ``id``, ``type`` and ``function.name`` and empty
+``arguments``, then the argument text (clients append the fragments). The block is
+read whole before anything of it is sent, since a block that is not a call stays in
+the content as written (the parser cannot know that before the block closes). A reply with calls that ended on its own finishes
 ``"tool_calls"``; one cut by ``max_tokens`` stays ``"length"``.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .openai_schema import AssistantMessage, Delta, FunctionCall, ToolCall, ToolCallDelta
+from .openai_schema import AssistantMessage, Delta, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from .tool_parsers import HermesToolParser, ParsedCall
 
 
@@ -48,8 +50,9 @@ class ReplyShaper:
         if content:
             yield Delta(content=content)
         for call in calls:
-            yield Delta(tool_calls=[ToolCallDelta(index=self.calls, id=call.id,
-                                                  function=FunctionCall(name=call.name, arguments=call.arguments))])
+            yield Delta(tool_calls=[ToolCallDelta(index=self.calls, id=call.id, type="function",
+                                                  function=FunctionCallDelta(name=call.name, arguments=""))])
+            yield Delta(tool_calls=[ToolCallDelta(index=self.calls, function=FunctionCallDelta(arguments=call.arguments))])
             self.calls += 1
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -92,7 +92,7 @@ class WorkerRpc:
                 request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest,
                 model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta,
-                prefix_keys=list(prefix_keys), reuse_prefix=reuse_prefix),
+                prefix_keys=list(prefix_keys), reuse_prefix=reuse_prefix, choices=job.sampling.n),
                 timeout=time_left_s(job.ttft_deadline_s))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -54,6 +54,7 @@ class FinalChunk:
     prefill_ms: float             # the prompt's summed compute, for decode's first event
     rope_delta: int               # the prompt's (0 for 1-D families): decode checks it against the reservation
     state_parts: tuple = ()       # hybrid decoders: the linear layers' state at the prompt's end (pb.StatePart)
+    others: tuple[SampledToken, ...] = ()   # n > 1: the first token of choices 1..n-1 (decode forks with them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,11 @@ class ChunkFraming:
             msg.prefill_ms = chunk.final.prefill_ms
             msg.rope_delta = chunk.final.rope_delta
             msg.state_parts.extend(chunk.final.state_parts)
+            for other in chunk.final.others:
+                msg.choice_first_tokens.append(other.token_id)
+                other_logprobs = logprobs_to_pb(other)
+                if other_logprobs is not None:
+                    msg.choice_first_logprobs.append(other_logprobs)
         return msg
 
 

@@ -32,7 +32,7 @@ import torch
 from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
+from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, for_choice, sample
 from runtime.worker import state_parts
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
@@ -155,12 +155,12 @@ class PrefillScheduler:
             if job.cancelled:
                 continue
             last = end == job.prompt_len
-            final = FinalChunk(job.chunk_index + 1, first, job.compute_ms, job.prompt.rope_delta,
-                               tuple(state)) if last else None
+            final = FinalChunk(job.chunk_index + 1, first[0], job.compute_ms, job.prompt.rope_delta,
+                               state_parts=tuple(state), others=tuple(first[1:])) if last else None
             job.sender.send(ReadyChunk(job.chunk_index, start, end, kv, final, self._sliding_from(job)))
             job.next_start, job.chunk_index = end, job.chunk_index + 1
             if last:
-                job.first_token = first.token_id
+                job.first_token = first[0].token_id
                 job.sender.finish()
                 self._finish(job, None)
 
@@ -186,10 +186,12 @@ class PrefillScheduler:
             return self.pool.read(job.blocks, start, end)
         return self.pool.read_wire(job.blocks, start, end, self.pool.layout.layer_from(start, end, sliding_from))
 
-    def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> SampledToken:
-        """The sequence's first token (no output yet), with its logprobs when asked for: they travel with it."""
+    def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> list[SampledToken]:
+        """The first token of each of the request's ``n`` choices (no output yet; choice i samples with
+        ``for_choice``), with its logprobs when asked for: they travel with the last chunk."""
         ctx = SamplingContext(job.prompt_ids, (), self.adapter.eos_token_ids)
-        return sample(logits, job.sampling, ctx, job.prompt_len, self._first_allowed(job))
+        allowed = self._first_allowed(job)
+        return [sample(logits, for_choice(job.sampling, i), ctx, job.prompt_len, allowed) for i in range(job.sampling.n)]
 
     def _first_allowed(self, job: PrefillJob) -> torch.Tensor | None:
         """The grammar's mask for the first token (a fresh matcher: nothing is sampled before it)."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
 import io
 import random
 import tempfile
@@ -40,7 +42,7 @@ from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, Dead
 from runtime.demo_model.shapes import ShapeSample, draw_shape
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import DecodeInput, FirstToken, KVChunk, VLMAdapter
-from runtime.model.sampling import SampledToken
+from runtime.model.sampling import SampledToken, for_choice
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo-vlm"
@@ -106,8 +108,24 @@ class InProcessBackend:
                 "requests": len(self.jobs)}
 
     async def generate(self, job: ChatJob) -> AsyncIterator[TokenEvent]:
-        called_s = time.monotonic()
+        if job.sampling.n == 1:   # aclosing: closing this generator runs the inner one's cleanup now
+            async with contextlib.aclosing(self._generate(job)) as events:
+                async for event in events:
+                    yield event
+            return
+        # n > 1: the choices one after another, each its own prefill (the real decode worker shares it)
         self.jobs.append(job)
+        for i in range(job.sampling.n):
+            one = dataclasses.replace(job, sampling=for_choice(dataclasses.replace(job.sampling, n=1), i))
+            async with contextlib.aclosing(self._generate(one, record=False)) as events:
+                async for event in events:
+                    event.index = i
+                    yield event
+
+    async def _generate(self, job: ChatJob, record: bool = True) -> AsyncIterator[TokenEvent]:
+        called_s = time.monotonic()
+        if record:
+            self.jobs.append(job)
         if self.refuse is not None:
             raise self.refuse
         if self.deadline_exceeded or time.monotonic() > job.ttft_deadline_s:

@@ -206,6 +206,35 @@ async def test_stop_string_ends_generation_without_the_stop_text(client, backend
     assert backend.active == 0 and backend.pool.free_blocks == backend.pool.num_blocks
 
 
+async def test_n_choices_stop_each_on_their_own_and_stream_by_index(client, backend, model):
+    """n=3 greedy: three copies of the n=1 reply; a stop string cuts each choice; the stream's chunks
+    carry one choice each, with its index, and a finish chunk per choice; usage sums the choices."""
+    _, trained = model
+    if not trained:
+        pytest.skip("needs the trained demo model's known answer")
+    sample = shape(1)
+    url = data_url(image_bytes(sample.image))
+    one = (await client.post("/v1/chat/completions", json=chat(image_message(url), temperature=0))).json()
+    r = await client.post("/v1/chat/completions", json=chat(image_message(url), temperature=0, n=3))
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == [one["choices"][0]["message"]["content"]] * 3
+    assert body["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    stop = sample.shape[:2]
+    r = await client.post("/v1/chat/completions", json=chat(image_message(url), temperature=0, n=3, stop=[stop],
+                                                            stream=True))
+    events = [e for e in sse_events(r.text) if isinstance(e, dict)]
+    texts, finishes = ["", "", ""], [None, None, None]
+    for e in events:
+        assert len(e["choices"]) <= 1
+        for c in e["choices"]:
+            assert finishes[c["index"]] is None
+            texts[c["index"]] += c["delta"].get("content") or ""
+            finishes[c["index"]] = c["finish_reason"]
+    assert texts == [f"a {sample.colour} "] * 3 and finishes == ["stop"] * 3
+    assert backend.active == 0 and backend.pool.free_blocks == backend.pool.num_blocks
+
+
 # -- refusals and failures ----------------------------------------------------------------
 @pytest.mark.parametrize("status, kind", [(429, "rate_limit_error"), (503, "server_overloaded")])
 async def test_admission_refused_maps_to_status_with_retry_after(client, backend, status, kind):

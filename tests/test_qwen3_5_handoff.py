@@ -194,3 +194,21 @@ def test_a_retry_resets_the_slot_and_lands_again(adapter, prefilled):
     assert res.attempt.state is TransferState.SUCCESS and states.position(res.state_slot) == len(prompt.ids)
     table.release(res.reservation_id)
     assert states.free_slots == states.num_slots
+
+
+def test_choices_are_refused_for_a_hybrid_model(adapter, tmp_path):
+    """``n`` > 1 forks a sequence's KV; a hybrid decoder's linear-attention state lives in one slot per
+    sequence, so the gateway refuses ``n`` by name and decode never reserves choices for it."""
+    from gateway.prompt import PromptBuilder
+    from gateway.sampling_fields import sampling_problem
+    from runtime.model.sampling import SamplingParams
+    from decode_svc.reservations import Fit
+
+    builder = PromptBuilder.from_pretrained(adapter.model.name_or_path)
+    assert not builder.forks_choices
+    problem = sampling_problem(SamplingParams(n=2), 8, 100, builder.forks_choices)
+    assert problem is not None and problem[0] == "n"
+    assert sampling_problem(SamplingParams(n=1), 8, 100, builder.forks_choices) is None
+    _, _, table, _ = _decode_side(adapter)
+    assert table.can_reserve(10, 8, choices=2) is Fit.NEVER
+    assert table.can_reserve(10, 8) is Fit.NOW

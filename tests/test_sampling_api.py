@@ -238,12 +238,12 @@ def test_text_completions_in_both_placements(served, clients, stream):
 def test_what_is_still_not_honoured_is_refused_by_name(clients):
     client = clients["colocated"]
     messages = [{"role": "user", "content": "hi"}]
-    for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    for kwargs, param in (({"n": 17}, "n"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                           ({"extra_body": {"min_tokens": 9}, "max_tokens": 8}, "min_tokens")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
         assert refused.value.param == param
-    for kwargs, param in (({"n": 2}, "n"), ({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
+    for kwargs, param in (({"n": 17}, "n"), ({"echo": True}, "echo"), ({"prompt": ["a", "b"]}, "prompt"),
                           ({"suffix": "x"}, "suffix")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(**{"model": MODEL, "prompt": "hi", **kwargs})

@@ -161,3 +161,64 @@ def test_a_schema_the_library_cannot_compile_is_a_400_before_any_work(served, pl
             model=MODEL, messages=messages, max_tokens=8, tool_choice="required",
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}])
     assert err.value.body["param"] == "tools" and "nowhere" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_streamed_tool_call_arrives_as_openai_sends_it(served, placement):
+    """The call's first delta: index, id, type, function.name and empty arguments; then its argument
+    text with the index alone; accumulated (the openai client's way) it is the whole reply's call."""
+    c = client(served, placement)
+    messages, truth = image_question(43)
+    pieces = [t for chunk in c.chat.completions.create(model=MODEL, temperature=0, stream=True, messages=messages,
+                                                       max_tokens=60, tools=[REPORT_SHAPE_TOOL])
+              for choice in chunk.choices for t in choice.delta.tool_calls or []]
+    head, *rest = pieces
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "report_shape" and head.function.arguments == ""
+    assert rest and all(t.index == 0 and t.id is None and t.function.name is None for t in rest)
+    assert json.loads("".join(t.function.arguments for t in rest)) == truth
+    _, whole, _ = complete(c, False, messages=messages, max_tokens=60, tools=[REPORT_SHAPE_TOOL])
+    assert whole[0]["arguments"] == "".join(t.function.arguments for t in rest)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n2_constrained_choices_each_validate(served, placement, stream):
+    """n=2 with a forced tool call and with json_schema: each choice has its own matcher and parser."""
+    c = client(served, placement)
+    messages, truth = image_question(47)
+    kw = dict(model=MODEL, messages=messages, max_tokens=60, n=2, temperature=0,
+              tools=[REPORT_SHAPE_TOOL], tool_choice={"type": "function", "function": {"name": "report_shape"}})
+    fmt = {"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE_SCHEMA, "strict": True}}
+    if not stream:
+        reply = c.chat.completions.create(**kw)
+        assert [ch.finish_reason for ch in reply.choices] == ["tool_calls"] * 2
+        assert [json.loads(ch.message.tool_calls[0].function.arguments) for ch in reply.choices] == [truth] * 2
+        reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, n=2, response_format=fmt,
+                                          temperature=1.0, seed=5)
+        for ch in reply.choices:
+            jsonschema.validate(json.loads(ch.message.content), SHAPE_SCHEMA)
+        return
+    calls, finishes = {}, {}
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            for t in choice.delta.tool_calls or []:
+                calls.setdefault(choice.index, "")
+                calls[choice.index] += t.function.arguments or ""
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert [json.loads(calls[i]) for i in (0, 1)] == [truth] * 2
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_object"}, "tools": [REPORT_SHAPE_TOOL]}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "stop": ["}"]}, "stop"),
+    ({"tools": [REPORT_SHAPE_TOOL], "tool_choice": "required", "stop": ["x"]}, "stop"),
+    ({"tools": [REPORT_SHAPE_TOOL], "logprobs": True}, "logprobs"),
+    ({"tools": [REPORT_SHAPE_TOOL], "logprobs": True, "n": 2}, "logprobs"),
+])
+def test_combinations_not_honoured_are_refused_by_name(served, extra, param):
+    messages, _ = image_question(5)
+    with pytest.raises(openai.BadRequestError) as err:
+        client(served, "colocated").chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **extra)
+    assert err.value.body["param"] == param

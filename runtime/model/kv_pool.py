@@ -374,6 +374,12 @@ class KVBlockPool:
             for pos, slot, length in self.runs(blocks, first, end):
                 self._flat[layer, :, slot: slot + length] = piece[:, pos - first: pos - first + length]
 
+    def copy_block(self, src: int, dst: int, *, owner: int) -> None:
+        """Copy block ``src``'s KV (every layer, K and V) into ``dst``, only while ``dst`` belongs to
+        ``owner`` (``StaleBlocksError`` otherwise): a forked sequence's own copy of a shared partial block."""
+        self.check_owner([dst], owner, "copy")
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
     def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""
         out = self.kv.new_empty((self.layout.layers, 2, end - start, self.layout.kv_heads, self.layout.head_dim))

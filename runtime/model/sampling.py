@@ -14,6 +14,11 @@ same output whichever worker (prefill or decode, colocated or not) samples it,
 provided it sees the same history (the workers carry it: prompt ids where
 ``repetition_penalty`` needs them, the output so far, the first token from prefill).
 
+Choices (``n`` > 1): each choice samples with ``for_choice(params, i)``. Choice 0 is the
+request's own parameters (so its text is the ``n = 1`` text); choice ``i`` > 0 with a seed
+draws from a seed derived from ``(seed, i)``, so choices differ, each reproducibly, and
+the same on every worker; without a seed every draw is fresh anyway.
+
 Ranges: ``SamplingParams`` accepts exactly what sampling handles, and the
 gateway's schema accepts exactly the same (it imports these bounds): every
 ``temperature`` in [0, 2], every ``top_p`` in (0, 1] (subnormals included),
@@ -24,15 +29,16 @@ rounding, so a worker samples with exactly the client's values (``runtime.worker
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from runtime.model import logits_processors as lp
 from runtime.model.logits_processors import SamplingContext
 
-__all__ = ["SampledToken", "SamplingContext", "SamplingParams", "TokenLogprob", "sample", "sample_token"]
+__all__ = ["SampledToken", "SamplingContext", "SamplingParams", "TokenLogprob", "for_choice", "sample", "sample_token"]
 
 # Below this temperature sampling is greedy: dividing logits by a (possibly subnormal) tiny
 # temperature overflows to inf and softmax turns it into NaN. vLLM draws the same line.
@@ -44,6 +50,7 @@ MAX_PENALTY = 2.0                          # presence / frequency: OpenAI's [-2,
 MAX_REPETITION_PENALTY = 2.0               # (0, 2]: 1 is off
 MAX_TOP_LOGPROBS = 20                      # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 16                           # n: choices sharing one prompt's KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None   # None: no logprobs; n: the token's logprob and its n most likely alternatives
     grammar: str | None = None    # constrained decoding (runtime.model.grammar): its mask is ``allowed``
+    n: int = 1                    # choices of the one prompt (each samples with ``for_choice``)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, value: object) -> ValueError:
@@ -87,6 +95,8 @@ class SamplingParams:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids", self.stop_token_ids)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", self.logprobs)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise bad("n", f"in [1, {MAX_CHOICES}]", self.n)
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +106,21 @@ class SamplingParams:
     def needs_prompt_ids(self) -> bool:
         """Whether sampling reads the prompt's ids (only ``repetition_penalty`` does)."""
         return self.repetition_penalty != 1.0
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed: ``seed`` itself for choice 0, else a 64-bit hash of both (in the int64 range)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"epd-choice:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters choice ``index`` samples with (``params`` itself for choice 0 or without a seed)."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=choice_seed(params.seed, index))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,15 @@ class RequestShape:
     max_tokens: int
     n_images: int = 0
     n_images_cached: int = 0
+    choices: int = 1          # n: completions sharing the prompt's KV (each its own output blocks)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.choices < 1:
+            raise ValueError(f"choices must be >= 1, got {self.choices}")
         if not 0 <= self.n_images_cached <= self.n_images:
             raise ValueError(f"need 0 <= n_images_cached <= n_images, got {self.n_images_cached}/{self.n_images}")
 

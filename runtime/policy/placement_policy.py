@@ -99,7 +99,9 @@ class Admission:
 
 
 def blocks_needed(shape: RequestShape, block_size: int) -> int:
-    return -(-(shape.prompt_tokens + shape.max_tokens) // block_size)
+    """The prompt's blocks once plus each further choice's own (as ``decode_svc/reservations.py`` reserves)."""
+    one = -(-(shape.prompt_tokens + shape.max_tokens) // block_size)
+    return one + (shape.choices - 1) * (one - shape.prompt_tokens // block_size)
 
 
 def has_capacity(shape: RequestShape, worker: DecodeWorkerLoad) -> bool:

@@ -42,7 +42,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        grammar=s.grammar or "",
+        grammar=s.grammar or "", n=s.n if s.n > 1 else 0,
     )
     if s.seed is not None:
         msg.seed = s.seed
@@ -70,6 +70,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         grammar=msg.grammar or None,
+        n=msg.n or 1,
     )
 
 

@@ -27,7 +27,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "grammar")
+    __slots__ = ("seed", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "grammar", "n")
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     seed: int
     temperature: float
     top_p: float
@@ -54,7 +55,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     grammar: str
-    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -229,7 +231,7 @@ class Reservation(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "deadline_unix_ms", "token_digest", "model_fingerprint", "rope_delta", "prefix_keys", "reuse_prefix")
+    __slots__ = ("request_id", "prompt_tokens", "max_tokens", "deadline_unix_ms", "token_digest", "model_fingerprint", "rope_delta", "prefix_keys", "reuse_prefix", "choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +241,7 @@ class ReserveRequest(_message.Message):
     ROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     REUSE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     max_tokens: int
@@ -248,7 +251,8 @@ class ReserveRequest(_message.Message):
     rope_delta: int
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     reuse_prefix: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rope_delta: _Optional[int] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., reuse_prefix: _Optional[bool] = ...) -> None: ...
+    choices: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rope_delta: _Optional[int] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., reuse_prefix: _Optional[bool] = ..., choices: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation", "blocks", "alloc_ms", "bulk_address", "cached_tokens")
@@ -273,7 +277,7 @@ class RearmRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs", "sliding_from", "state_parts")
+    __slots__ = ("request_id", "reservation", "chunk_index", "layer_start", "layer_end", "token_start", "token_end", "dtype", "shape", "payload", "checksum", "last", "total_chunks", "first_token", "token_digest", "model_fingerprint", "prefill_ms", "payload_bytes", "rope_delta", "first_logprobs", "sliding_from", "state_parts", "choice_first_tokens", "choice_first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +300,8 @@ class KVChunk(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_FROM_FIELD_NUMBER: _ClassVar[int]
     STATE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     chunk_index: int
@@ -318,7 +324,9 @@ class KVChunk(_message.Message):
     first_logprobs: TokenLogprobs
     sliding_from: int
     state_parts: _containers.RepeatedCompositeFieldContainer[StatePart]
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sliding_from: _Optional[int] = ..., state_parts: _Optional[_Iterable[_Union[StatePart, _Mapping]]] = ...) -> None: ...
+    choice_first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    choice_first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., chunk_index: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[str] = ..., last: _Optional[bool] = ..., total_chunks: _Optional[int] = ..., first_token: _Optional[int] = ..., token_digest: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., rope_delta: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., sliding_from: _Optional[int] = ..., state_parts: _Optional[_Iterable[_Union[StatePart, _Mapping]]] = ..., choice_first_tokens: _Optional[_Iterable[int]] = ..., choice_first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StatePart(_message.Message):
     __slots__ = ("layer", "kind", "dtype", "shape", "data", "checksum")
@@ -389,20 +397,22 @@ class TransferMetric(_message.Message):
     def __init__(self, transfer_latency_s: _Optional[float] = ..., alloc_latency_s: _Optional[float] = ..., transfer_total_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms", "logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     transfer: TransferMetric
     queue_ms: float
     first_step_ms: float
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "reservation", "reason")
