@@ -36,11 +36,10 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import pydantic_core
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from runtime.model.grammar import GrammarError
@@ -51,6 +50,7 @@ from .choices import Choices
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
+from .http_io import SSEResponse, ClientDisconnected, read_json_object, sse_event, sse_response, unless_disconnected
 from .images import ImageLoader
 from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
@@ -77,7 +77,6 @@ log = logging.getLogger("epd.gateway")
 TTFT_HEADER = "x-ttft-slo-ms"
 ITL_HEADER = "x-itl-slo-ms"
 BREAKDOWN_HEADER = "x-epd-ttft-breakdown"
-T = TypeVar("T")
 
 
 def parse_slo_header(value: str | None, default_ms: float, name: str, max_ms: float) -> float:
@@ -360,14 +359,8 @@ class ChatHandler:
 
     async def _complete_n(self, request: Request, chat: ChatCompletionRequest, choices: Choices,
                           shapers: list[ReplyShaper]) -> JSONResponse:
-        async def collect() -> list[str]:
-            texts: list[list[str]] = [[] for _ in range(choices.n)]
-            async for index, text in choices.events():
-                texts[index].append(text)
-            return ["".join(t) for t in texts]
-
         try:
-            contents = await unless_disconnected(request, collect())
+            contents = await unless_disconnected(request, choices.texts())
         finally:
             await choices.close()
         body = ChatCompletion(
@@ -478,72 +471,3 @@ class ChatHandler:
             ended = (generation.finish_reason or "stop") if outcome == "finished" else (
                 outcome or ("cancelled" if generation.finish_reason is None else generation.finish_reason))
             self.journal_end(generation.job.request_id, generation.job, generation, ended, 200)
-
-
-async def read_json_object(request: Request) -> dict[str, Any]:
-    """The body as a JSON object (its size already bounded by ``BodyLimitMiddleware``), else a 400."""
-    body = await request.body()
-    try:
-        document = pydantic_core.from_json(body)
-    except ValueError as exc:
-        raise ApiError.bad_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(document, dict):
-        raise ApiError.bad_request("request body must be a JSON object", None, "invalid_json")
-    return document
-
-
-def sse_event(body: Any) -> bytes:
-    return b"data: " + body.model_dump_json().encode() + b"\n\n"
-
-
-def sse_response(events: AsyncIterator[bytes], request_id: str) -> "SSEResponse":
-    return SSEResponse(events, media_type="text/event-stream", headers={
-        "x-request-id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response; the work for it has been cancelled."""
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; should the client disconnect first, cancel it and raise ``ClientDisconnected``.
-
-    Used while nothing has been sent yet (waiting for the first token, collecting a
-    non-streaming answer); once a stream has started, Starlette watches the connection.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        pending = [t for t in (task, watcher) if not t.done()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    if task.done() and not task.cancelled():
-        return task.result()  # the work's result or its exception, even when the client left meanwhile
-    raise ClientDisconnected()
-
-
-class SSEResponse(StreamingResponse):
-    """A ``StreamingResponse`` that always closes its iterator, whatever ended the stream.
-
-    Starlette cancels the sending task when the client disconnects; an async
-    generator parked at a ``yield`` would then only be closed by the garbage
-    collector. Closing it here runs its ``finally`` (which closes the backend
-    generator) deterministically.
-    """
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]  # always an async generator here

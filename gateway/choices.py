@@ -130,6 +130,13 @@ class Choices:
             if out is not None:
                 yield out
 
+    async def texts(self) -> list[str]:
+        """Every choice's whole text, by index (``events`` to the end)."""
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        async for index, text in self.events():
+            texts[index].append(text)
+        return ["".join(t) for t in texts]
+
     async def close(self) -> None:
         """Release the backend's generator (idempotent); drained first when the backend finished every choice."""
         finished, self._drain = self._drain and all(g.backend_finished for g in self.gens), False

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from .auth import effective_cache_salt, request_tenant
 from .chat_backend import ChatJob, TokenEvent
 from .choices import Choices
-from .chat_handler import (BREAKDOWN_HEADER, ITL_HEADER, TTFT_HEADER, ChatHandler, read_json_object, sse_event,
-                           sse_response, unless_disconnected)
+from .chat_handler import BREAKDOWN_HEADER, ITL_HEADER, TTFT_HEADER, ChatHandler
+from .http_io import read_json_object, sse_event, sse_response, unless_disconnected
 from .completions_schema import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .errors import ApiError, from_validation_error
 from .generation import Generation
@@ -135,14 +135,8 @@ class CompletionsHandler:
 
 
     async def _complete_n(self, request: Request, req: CompletionRequest, choices: Choices) -> JSONResponse:
-        async def collect() -> list[str]:
-            texts: list[list[str]] = [[] for _ in range(choices.n)]
-            async for index, text in choices.events():
-                texts[index].append(text)
-            return ["".join(t) for t in texts]
-
         try:
-            texts = await unless_disconnected(request, collect())
+            texts = await unless_disconnected(request, choices.texts())
         finally:
             await choices.close()
         body = Completion(id=choices.job.request_id, created=int(time.time()), model=req.model,

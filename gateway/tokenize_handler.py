@@ -15,7 +15,8 @@ import asyncio
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from .chat_handler import ChatHandler, read_json_object
+from .chat_handler import ChatHandler
+from .http_io import read_json_object
 from .completions_schema import DetokenizeRequest, DetokenizeResponse, TokenizeMessages, TokenizePrompt, TokenizeResponse
 from .errors import ApiError, from_validation_error
 from .openai_schema import ChatCompletionRequest

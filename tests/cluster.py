@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import openai
 
 from launcher.processes import Process, ProcessSpec, child_env, free_port, grpc_serving, stop_group, wait_serving
 
@@ -34,7 +35,7 @@ DEMO_MODEL = ROOT / "models" / "demo-vlm"
 _SCRUBBED = ("EPD_INTERNAL_TOKEN", "EPD_ALLOW_UNAUTHENTICATED", "EPD_ENCODER_ADDRS", "EPD_PREFILL_ADDRS",
              "EPD_DECODE_ADDRS", "EPD_API_KEY", "EPD_REDIS_URL")
 
-__all__ = ["DEMO_MODEL", "PLACEMENTS", "ROOT", "Cluster", "Gateway", "Worker", "free_port", "placement_pair",
+__all__ = ["DEMO_MODEL", "PLACEMENTS", "ROOT", "Cluster", "Gateway", "Worker", "free_port", "openai_clients", "placement_pair",
            "worker_env"]
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -177,3 +178,9 @@ def placement_pair(tmp: Path, *gateway_flags: str, decode_env: dict[str, str] | 
         yield c, gateways
     finally:
         c.stop()
+
+
+def openai_clients(gateways: dict[str, Gateway]) -> dict[str, openai.OpenAI]:
+    """One official ``openai`` client per gateway (no retries: a test sees every failure)."""
+    return {p: openai.OpenAI(base_url=f"{g.base}/v1", api_key="unused", max_retries=0, timeout=60)
+            for p, g in gateways.items()}

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -197,3 +198,12 @@ class LeakCheck:
             if time.monotonic() > end:
                 self._failed(held, timeout_s)
             time.sleep(0.2)
+
+
+@contextmanager
+def settled_after(cluster, gateways: dict) -> Iterator[None]:
+    """The body leaves nothing held on ``cluster``'s workers nor on its HTTP ``gateways`` (a
+    ``placement_pair``'s): a test's autouse fixture is ``with settled_after(*served): yield``."""
+    check = LeakCheck.of_cluster(cluster, gateways=[http_gateway_counters(g.base) for g in gateways.values()]).begin()
+    yield
+    check.assert_settled()

@@ -24,12 +24,7 @@ DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo-vlm"
 WORD = 20  # an ordinary word token of the demo vocabulary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

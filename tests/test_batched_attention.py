@@ -27,12 +27,7 @@ DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo-vlm"
 BATCHED = [k for k in attention_kernels.KERNELS if k != "flex_attention" or attention_kernels.flex_available()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 MIXED = [(40, 1), (3, 1), (17, 1), (0, 1), (63, 1), (20, 9), (5, 30), (0, 12)]

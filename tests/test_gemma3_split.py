@@ -33,12 +33,7 @@ CHUNK_SIZES = (1, 5, 16, 40, None)   # 5 and 16 would cut image runs; None: the 
 KERNELS = ["sdpa_padded", attention_reference.KERNEL, *(["flex_attention"] if attention_kernels.flex_available() else [])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -116,13 +116,7 @@ def demo_cases() -> list[Case]:
 CASES = demo_cases()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: one intra-op thread is several times faster than two on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

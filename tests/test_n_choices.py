@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from cluster import PLACEMENTS, placement_pair
-from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
+from cluster import PLACEMENTS, openai_clients, placement_pair
+from leaks import LONG_LEASES, settled_after
 from test_sampling_api import MODEL, image_chat
 
 
@@ -30,17 +30,13 @@ def served(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def nothing_leaks(served):
-    cluster, gateways = served
-    check = LeakCheck.of_cluster(cluster, gateways=[http_gateway_counters(g.base) for g in gateways.values()]).begin()
-    yield
-    check.assert_settled()
+    with settled_after(*served):
+        yield
 
 
 @pytest.fixture(scope="module")
 def clients(served) -> dict[str, openai.OpenAI]:
-    _, gateways = served
-    return {p: openai.OpenAI(base_url=f"{g.base}/v1", api_key="unused", max_retries=0, timeout=60)
-            for p, g in gateways.items()}
+    return openai_clients(served[1])
 
 
 def chat_n(client: openai.OpenAI, messages, stream: bool, **kwargs):

@@ -26,12 +26,7 @@ from runtime.model.state_slots import StateKind, StateMismatch
 CHUNK_SIZES = (1, 3, 7, 16, None)   # None: the whole prompt as one chunk
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

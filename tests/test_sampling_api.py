@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from cluster import placement_pair
-from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
+from cluster import openai_clients, placement_pair
+from leaks import LONG_LEASES, settled_after
 from shape_images import shape_data_url
 
 MODEL = "demo-vlm"
@@ -37,17 +37,13 @@ def served(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def nothing_leaks(served):
-    cluster, gateways = served
-    check = LeakCheck.of_cluster(cluster, gateways=[http_gateway_counters(g.base) for g in gateways.values()]).begin()
-    yield
-    check.assert_settled()
+    with settled_after(*served):
+        yield
 
 
 @pytest.fixture(scope="module")
 def clients(served) -> dict[str, openai.OpenAI]:
-    _, gateways = served
-    return {p: openai.OpenAI(base_url=f"{g.base}/v1", api_key="unused", max_retries=0, timeout=60)
-            for p, g in gateways.items()}
+    return openai_clients(served[1])
 
 
 def image_chat(seed: int) -> tuple[list[dict], str]:

@@ -31,12 +31,7 @@ from runtime.worker.wire import payload_checksum
 LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=4, dtype=torch.float32, sliding_layers=(0, 1, 3), sliding_window=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 def test_wire_form_round_trips_on_both_landing_paths():

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from cluster import PLACEMENTS, placement_pair
-from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
+from leaks import LONG_LEASES, settled_after
 from shape_images import shape_data_url
 from runtime.demo_model.tasks import JSON_INSTRUCTION, REPORT_SHAPE_TOOL, SHAPE_SCHEMA
 
@@ -35,10 +35,8 @@ def served(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def nothing_leaks(served):
-    cluster, gateways = served
-    check = LeakCheck.of_cluster(cluster, gateways=[http_gateway_counters(g.base) for g in gateways.values()]).begin()
-    yield
-    check.assert_settled()
+    with settled_after(*served):
+        yield
 
 
 def client(served, placement: str) -> openai.OpenAI:
