@@ -56,14 +56,15 @@ class Stack:
         return self.cluster.by_role(role)[0].address
 
 
-def _png(image: Image.Image) -> bytes:
+def png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return buf.getvalue()
 
 
-def _openai_messages(case: Case) -> list[dict]:
-    urls = iter("data:image/png;base64," + base64.b64encode(_png(im)).decode() for im in case.images)
+def openai_messages(case: Case) -> list[dict]:
+    """The case's conversation as an OpenAI client sends it: each image part an ``image_url``, in order."""
+    urls = iter("data:image/png;base64," + base64.b64encode(png(im)).decode() for im in case.images)
     out = []
     for message in case.messages:
         content = message["content"]
@@ -86,8 +87,8 @@ def reference_request(adapter: VLMAdapter, case: Case) -> Request:
         if token in adapter.eos_token_ids:
             new, finish = new[:i], "stop"
             break
-    images = [PreparedImage(_png(im), Image.open(io.BytesIO(_png(im)))) for im in case.images]
-    return Request(_openai_messages(case), images, ids, new, finish)
+    images = [PreparedImage(png(im), Image.open(io.BytesIO(png(im)))) for im in case.images]
+    return Request(openai_messages(case), images, ids, new, finish)
 
 
 @contextmanager

@@ -16,27 +16,9 @@ import httpx
 import openai
 import pytest
 
-from cluster import PLACEMENTS, openai_clients, placement_pair
-from leaks import LONG_LEASES, settled_after
-from test_sampling_api import MODEL, image_chat
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with placement_pair(tmp_path_factory.mktemp("choices"), "--prefill-chunk-tokens", "8",
-                        decode_env=LONG_LEASES) as stack:
-        yield stack
-
-
-@pytest.fixture(autouse=True)
-def nothing_leaks(served):
-    with settled_after(*served):
-        yield
-
-
-@pytest.fixture(scope="module")
-def clients(served) -> dict[str, openai.OpenAI]:
-    return openai_clients(served[1])
+from cluster import PLACEMENTS
+# the same stack as the sampling tests (one per module): both placements, chunks of 8, leak-checked
+from test_sampling_api import MODEL, clients, image_chat, nothing_leaks, served  # noqa: F401 (fixtures)
 
 
 def chat_n(client: openai.OpenAI, messages, stream: bool, **kwargs):

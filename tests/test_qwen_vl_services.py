@@ -26,11 +26,9 @@ torchvision.
 
 from __future__ import annotations
 
-import base64
 import io
 import time
 import uuid
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +36,8 @@ import grpc
 import pytest
 import torch
 from cluster import Cluster, Gateway
-from leaks import LONG_LEASES, LeakCheck, http_gateway_counters, orchestrator_counters
+from family_services import openai_messages, orchestrator, png
+from leaks import LONG_LEASES, LeakCheck, http_gateway_counters
 from openai import OpenAI
 from PIL import Image
 from qwen_vl_cases import CASES, FAMILIES, NEW_TOKENS, Case, build_checkpoint, image_runs
@@ -48,7 +47,6 @@ from gateway.errors import ApiError
 from gateway.openai_schema import ChatCompletionRequest
 from gateway.orchestrator import Orchestrator
 from gateway.prompt import BuiltPrompt, PromptBuilder
-from gateway.settings import GatewaySettings
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.model_adapter import FirstToken, KVChunk, VLMAdapter
@@ -90,25 +88,6 @@ class Stack:
         return self.cluster.by_role(role)[0].address
 
 
-def _png(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _openai_messages(case: Case) -> list[dict]:
-    """The case's conversation as an OpenAI client sends it: each image part an ``image_url``, in order."""
-    urls = iter("data:image/png;base64," + base64.b64encode(_png(im)).decode() for im in case.images)
-    out = []
-    for message in case.messages:
-        content = message["content"]
-        if isinstance(content, list):
-            content = [{"type": "image_url", "image_url": {"url": next(urls)}} if part["type"] == "image" else part
-                       for part in content]
-        out.append({"role": message["role"], "content": content})
-    return out
-
-
 def _request(adapter: VLMAdapter, case: Case) -> Request:
     processor = adapter.processor
     text = processor.apply_chat_template(case.messages, add_generation_prompt=True)
@@ -129,8 +108,8 @@ def _request(adapter: VLMAdapter, case: Case) -> Request:
         rope_delta = int(delta.reshape(-1)[0])
     else:
         rope_delta = 0
-    images = [PreparedImage(_png(im), Image.open(io.BytesIO(_png(im)))) for im in case.images]
-    return Request(case, _openai_messages(case), images, ids, grids, rope_delta, new, finish)
+    images = [PreparedImage(png(im), Image.open(io.BytesIO(png(im)))) for im in case.images]
+    return Request(case, openai_messages(case), images, ids, grids, rope_delta, new, finish)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -165,23 +144,6 @@ async def leaks(stack):
                                                           for g in stack.gateways.values()]).begin()
     yield check
     await check.settled()
-
-
-@asynccontextmanager
-async def orchestrator(stack: Stack, placement: str, chunk_tokens: int, check: LeakCheck):
-    settings = GatewaySettings(encoder_addrs=[stack.worker("encoder")], prefill_addrs=[stack.worker("prefill")],
-                               decode_addrs=[stack.worker("decode")], placement=placement,
-                               prefill_chunk_tokens=chunk_tokens)
-    o = Orchestrator(settings)
-    await o.start()
-    probe = orchestrator_counters(o)
-    check.gateways.append(probe)
-    try:
-        yield o
-    finally:
-        await check.settled()      # while its counters can still be read
-        check.gateways.remove(probe)
-        await o.close()
 
 
 def built(stack: Stack, r: Request) -> BuiltPrompt:
