@@ -233,6 +233,9 @@ class StreamTally:
         self._counts = {o: 0 for o in ChunkOutcome}
         self._detail = ""              # the last rejection's reason
         self._reservation_id = ""      # the last chunk's: the reply reports its transfer state
+        # that transfer's state as of the last chunk recorded: a transfer that succeeded may be inserted,
+        # decoded to its end and released before the stream's end is read, and its reply must still say SUCCESS
+        self._state: TransferState | None = None
 
     def saw(self, header: pb.KVChunk) -> None:
         self._reservation_id = header.reservation.reservation_id
@@ -242,10 +245,12 @@ class StreamTally:
         self._counts[result.outcome] += 1
         if result.outcome == ChunkOutcome.REJECTED:
             self._detail = result.detail
+        res = self._receiver.table.get(self._reservation_id) if self._reservation_id else None
+        self._state = None if res is None else res.attempt.state
 
     def reply(self) -> pb.PushKVResponse:
         res = self._receiver.table.get(self._reservation_id) if self._reservation_id else None
-        state = None if res is None else res.attempt.state
+        state = self._state if res is None else res.attempt.state
         detail = self._detail
         if not detail and state is TransferState.FAILED:   # every chunk landed, the transfer's verification failed
             detail = res.attempt.detail

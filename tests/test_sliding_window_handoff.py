@@ -18,14 +18,14 @@ import pytest
 import torch
 from qwen_vl_cases import GREEDY, prompts_for
 
-from decode_svc.kv_receiver import ChunkOutcome, KVReceiver
+from decode_svc.kv_receiver import ChunkOutcome, KVReceiver, StreamTally
 from decode_svc.reservations import ReservationTable
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.demo_model.gemma3 import WINDOW, build_gemma3
 from runtime.model.kv_pool import KVBlockPool, KVLayout
 from runtime.model.model_adapter import DecodeInput, KVChunk, VLMAdapter
 from runtime.model.tensor_bytes import dtype_name
-from runtime.worker.transfer_state import TransferState
+from runtime.worker.transfer_state import TransferState, from_wire
 from runtime.worker.wire import payload_checksum
 
 LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=4, dtype=torch.float32, sliding_layers=(0, 1, 3), sliding_window=5)
@@ -159,3 +159,21 @@ def test_an_untrimmed_handoff_is_still_cached():
     assert receiver.land(chunk).outcome == ChunkOutcome.ACCEPTED and not res.attempt.window_trimmed
     table.release(res.reservation_id, cache_tokens=8)
     assert pool.cached_blocks == 2
+
+
+def test_a_stream_reports_success_even_when_its_sequence_ended_before_the_streams_end(adapter):
+    """A short prompt's one chunk verifies, decode inserts it, generates and releases it, and only then
+    reads the stream's end: the reply still says SUCCESS (else prefill retries a finished request)."""
+    p = prompts_for(adapter)["text-only"]
+    pool = KVBlockPool(adapter.kv_layout, num_blocks=64, block_size=8)
+    table = ReservationTable(pool)
+    res = table.reserve("req", len(p.ids), 8, time.monotonic() + 30, "digest", "fp")
+    receiver = KVReceiver(table, pool)
+    tally = StreamTally(receiver)
+    for m in _chunks(adapter, p, pb.Reservation(reservation_id=res.reservation_id, generation=1), 4096,
+                     adapter.kv_layout.window_from(len(p.ids))):
+        tally.saw(m)
+        tally.record(receiver.land(m))
+    assert table.release(res.reservation_id)       # the sequence ran to its end meanwhile
+    reply = tally.reply()
+    assert from_wire(reply.state) is TransferState.SUCCESS and reply.accepted == 1
