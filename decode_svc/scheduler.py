@@ -40,7 +40,10 @@ for it; a colocated one prefills choice 0 only, with the others waiting in its `
 the step that completes the prompt samples every choice's first token from the same logits
 (and the same grammar mask), and ``fork`` copies the last partial prompt block into each
 other choice's own block before any step writes past the prompt. A choice retires on its
-own; choices still waiting end with their prompt.
+own; choices still waiting end with their prompt. The gateway may end a running choice early
+(``retire_choices``: a stop string or its own length matched there): it retires FINISHED_CANCELLED
+with ``ended_by_gateway`` set, at the next step boundary, while the other choices run on; such
+retirements are counted (``choices_retired_early``).
 
 Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
 reservation holds references on them; the lease check covers the rest). A colocated
@@ -107,6 +110,7 @@ class Sequence:
     state_slot: int | None = None      # hybrid decoders: its reservation's linear-attention state slot
     index: int = 0                     # its choice (n > 1): choices share one events queue, told apart by index
     forks: list["Sequence"] = field(default_factory=list)   # colocated choice 0: choices forked when its prompt is in
+    ended_by_gateway: bool = False     # n > 1: the gateway ended this choice (its cancellation is no failure)
     _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
 
     @property
@@ -150,6 +154,7 @@ class DecodeScheduler:
         self._prefilling: list[Sequence] = []
         self._cancelling: set[Sequence] = set()   # marked by cancel(); retired at the next step boundary
         self.max_observed_batch = 0
+        self.choices_retired_early = 0   # running choices retired because the gateway ended them
         self.steps = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -210,6 +215,16 @@ class DecodeScheduler:
         for seq in found:
             self.cancel(seq)
         return bool(found)
+
+    def retire_choices(self, reservation_id: str, generation: int, indices: set[int]) -> int:
+        """The gateway ended these choices of the request: ``cancel`` each one still running (a choice the
+        gateway ended has sent tokens, so it is RUNNING or already finished); how many were marked."""
+        found = [s for s in self._running if s.reservation_id == reservation_id
+                 and s.lease.generation == generation and s.index in indices]
+        for seq in found:
+            seq.ended_by_gateway = True
+            self.cancel(seq)
+        return len(found)
 
     # -- queries ----------------------------------------------------------------
     def holds(self, seq: Sequence) -> bool:
@@ -373,6 +388,8 @@ class DecodeScheduler:
         if seq.status.is_finished:
             return
         seq._status = end
+        if seq.ended_by_gateway and end is DecodeStatus.FINISHED_CANCELLED:
+            self.choices_retired_early += 1
         if seq in self._running:
             self._running.remove(seq)
         if seq in self._prefilling:

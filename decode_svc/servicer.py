@@ -48,7 +48,10 @@ Choices (``n`` > 1, ``SamplingParams.n``): ``Reserve`` takes blocks for all of t
 the first token the last chunk carries for it) or forked from choice 0 when a colocated prompt
 is in (``scheduler.py``). Every event names its choice (``TokenEvent.index``); the stream ends
 when every choice has its finish reason. Each choice's retirement is counted once
-(``ReservationTable.retire_choice``); the last one releases the reservation.
+(``ReservationTable.retire_choice``); the last one releases the reservation. A ``Release`` that
+names ``choices`` retires only those (the gateway ended them early): each leaves the batch at the
+next step boundary, frees its fork's own blocks, and ends its part of the stream with
+finish_reason "cancelled" (no abort); the others run on.
 """
 
 from __future__ import annotations
@@ -221,6 +224,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         rid = request.reservation.reservation_id
         res = self.table.get(rid)
+        if request.choices:   # only these choices; an uninserted reservation has none running yet
+            marked = self.scheduler.retire_choices(rid, request.reservation.generation, set(request.choices))
+            return pb.ReleaseResponse(released=bool(marked))
         if res is not None and res.status is DecodeStatus.INSERTED:
             self.scheduler.cancel_reservation(rid)     # its retirement releases
             return pb.ReleaseResponse(released=True)
@@ -290,7 +296,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                         ev = await asyncio.wait_for(seq.events.get(), timeout)
                 except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no first token before the deadline")
-                if ev.end in _ABORT_CODES:
+                early = ev.end is DecodeStatus.FINISHED_CANCELLED and seqs[ev.index].ended_by_gateway
+                if ev.end in _ABORT_CODES and not early:   # a choice the gateway ended is no failure
                     await context.abort(_ABORT_CODES[ev.end], ev.detail or ev.finish_reason)
                 out = pb.TokenEvent(token_ids=ev.token_ids, finish_reason=ev.finish_reason or "",
                                     logprobs=[logprobs_to_pb(s) for s in ev.logprobs], index=ev.index)
@@ -442,6 +449,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 "prefix_cache_queries_total": self.prefix.queries_total,
                 "prefix_cache_hits_total": self.prefix.hits_total, "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
+                "choices_retired_early_total": self.scheduler.choices_retired_early,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
@@ -462,6 +470,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             max_batch=self.scheduler.max_observed_batch, max_batch_configured=self.scheduler.max_batch,
             lease_reaped_total=self.table.reaped_total,
+            choices_retired_early_total=self.scheduler.choices_retired_early,
             bulk_address=self.bulk_address,
         )
 

@@ -20,13 +20,16 @@ Ownership and cancellation, the one rule both sides follow:
   the backend's ``finally`` is where it releases what the request held
   (queue slots, KV leases, encoder work) everywhere. Closing an already
   finished generator is a no-op.
+* With ``n`` > 1 a choice the HTTP layer ends itself (a stop string, its ``max_tokens``) is
+  told to the backend through ``job.choice_ends``, so the backend can stop generating it while
+  the other choices run on; the backend may still send its events, which are ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from PIL import Image
 
@@ -37,6 +40,28 @@ from runtime.model.sampling import SampledToken, SamplingParams
 class PreparedImage:
     data: bytes              # raw image bytes as received (cache keys hash the decoded pixels of these)
     image: Image.Image       # decoded from ``data``, validated, not converted (mode may be RGBA, P, L, ...)
+
+
+class ChoiceEnds:
+    """The choices (``n`` > 1) the HTTP layer ended itself, for the backend: ``end`` records one
+    (once), ``listen`` hands each one ended so far and every later one to the backend's callback."""
+
+    def __init__(self) -> None:
+        self.ended: list[int] = []
+        self._listener: Callable[[int], None] | None = None
+
+    def end(self, index: int) -> None:
+        if index in self.ended:
+            return
+        self.ended.append(index)
+        if self._listener is not None:
+            self._listener(index)
+
+    def listen(self, callback: Callable[[int], None] | None) -> None:
+        """``callback`` hears every ended choice from now on (``None``: nobody listens any more)."""
+        self._listener = callback
+        for index in self.ended if callback is not None else ():
+            callback(index)
 
 
 @dataclass(slots=True)
@@ -65,6 +90,7 @@ class ChatJob:
     image_tokens: list[int] = field(default_factory=list)
     positions: Any = None
     image_token_id: int = -1     # the placeholder token id (-1: unknown, no prefix-cache keys with images)
+    choice_ends: ChoiceEnds = field(default_factory=ChoiceEnds)   # n > 1: choices ended by the HTTP layer
 
 
 @dataclass(slots=True)

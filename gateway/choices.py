@@ -7,9 +7,10 @@ strings, its count against ``max_tokens``, its logprobs and finish reason), so e
 rule of a single reply holds per choice. ``events()`` yields ``(index, text)`` in the
 order the tokens arrived: a streamed reply interleaves its choices' chunks the same way.
 
-A choice that ends here (a stop string, ``max_tokens``) ignores the rest of its events;
-decode ends that choice only when the request ends (the reservation held for every
-choice is released then). ``completion_tokens`` sums the choices.
+A choice that ends here (a stop string, ``max_tokens``) ignores the rest of its events and is
+told to the backend (``job.choice_ends``), which retires it on decode at once (its fork's
+blocks freed; ``Decode.Release`` naming the choice) while the others run on.
+``completion_tokens`` sums the choices.
 
 Metrics count the request once: every choice's tokens and gaps, but one TTFT (the first
 token of any choice) and one end-to-end latency and finish (when the last choice ends).
@@ -111,7 +112,10 @@ class Choices:
         gen = self.gens[event.index]
         if gen.finish_reason is not None:
             return None            # ended here (stop string, max_tokens): the rest is not sent
-        return event.index, gen.consume(event)
+        text = gen.consume(event)
+        if gen.finish_reason is not None and not gen.backend_finished:
+            self.job.choice_ends.end(event.index)   # ended here: decode stops generating it
+        return event.index, text
 
     async def events(self) -> AsyncIterator[tuple[int, str]]:
         """``(index, text)`` per event in arrival order, until every choice has its finish reason."""

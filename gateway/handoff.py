@@ -22,17 +22,20 @@ RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure pol
             on the new worker; FAIL releases it and raises (503, or 504 past the deadline).
             Bounded: the policy fails the request after a few attempts.
 STREAMING   yield decode's events; the one with a finish reason ends it (FINISHED); with ``n`` > 1
-            choices, the last choice's finish reason (each event names its choice).
+            choices, the last choice's finish reason (each event names its choice). A choice the
+            HTTP layer ended itself (``job.choice_ends``) is retired on decode at once
+            (``WorkerRpc.retire_choices``); decode ends its events with "cancelled".
 
 Who frees what: the reservation is this object's while ``reservation`` is set. An event
 with a finish reason means decode retired the sequence and freed the blocks itself; every
 other end (a failure, a stop string, the client gone) releases it exactly once, in
 ``events``' ``finally``, which also settles the last attempt's Prefill RPC and drops the
-gateway's ``inflight`` count on the decode worker.
+gateway's ``inflight`` count on the decode worker (one per choice: the batch slots it takes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -93,10 +96,11 @@ class Handoff:
         self.reservation: pb.Reservation | None = None
         self.result: AttemptResult | None = None      # the current attempt's
         self.attempts = 0                             # failed attempts so far
+        self._retiring: set[asyncio.Task] = set()     # choice retirements in flight (awaited by _close)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Run the machine; yields the request's events. Close it (``aclose``) to end it early."""
-        self.decode.inflight += 1  # from before Reserve: a handle dropped from discovery keeps its channel while > 0
+        self.decode.inflight += self.job.sampling.n  # one per choice (batch slots); from before Reserve: a handle dropped from discovery keeps its channel while > 0
         try:
             while self.state < HandoffState.STREAMING:
                 if self.state is HandoffState.RESERVING:
@@ -205,13 +209,26 @@ class Handoff:
         yield event(self.result.first, self.breakdown)
         if not live:
             return
+        if self.job.sampling.n > 1:
+            self.job.choice_ends.listen(self._retire_choice)
         async for ev in self.result.stream:
             yield event(ev)
             if not live:
                 return
 
     # -- helpers -------------------------------------------------------------------
+    def _retire_choice(self, index: int) -> None:
+        """The HTTP layer ended choice ``index``: tell decode now (the stream goes on for the others)."""
+        if self.reservation is None or self.state is not HandoffState.STREAMING:
+            return
+        task = asyncio.ensure_future(self.rpc.retire_choices(self.decode, self.reservation, self.job, [index]))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
     async def _close(self) -> None:
+        self.job.choice_ends.listen(None)
+        if self._retiring:   # before the whole release: both are idempotent, but the order keeps the counts true
+            await asyncio.gather(*self._retiring, return_exceptions=True)
         if self.state is HandoffState.FINISHED and self.prefix is not None:
             # decode retired the sequence and cached its full prompt blocks before its last event:
             # the summary knows it now, before the next poll brings the worker's own
@@ -226,12 +243,12 @@ class Handoff:
                 self.result.close_stream()
             if self.result.prefill is not None:
                 await self.result.prefill.settle(PREFILL_SETTLE_S if self.state is HandoffState.FINISHED else 0.0)
-        self.decode.inflight -= 1
+        self.decode.inflight -= self.job.sampling.n
 
     def _move_to(self, decode: WorkerHandle) -> None:
-        self.decode.inflight -= 1
+        self.decode.inflight -= self.job.sampling.n
         self.decode = decode
-        self.decode.inflight += 1
+        self.decode.inflight += self.job.sampling.n
 
     async def _replacement_decode(self) -> WorkerHandle | None:
         """After a failed Reserve: if the decode worker is really gone, mark it and name the least

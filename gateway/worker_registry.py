@@ -47,7 +47,7 @@ class WorkerHandle:
     healthy: bool = False
     stats: pb.WorkerStats | None = None
     last_sample: int = 0
-    inflight: int = field(default=0)   # requests this gateway currently has on the worker
+    inflight: int = field(default=0)   # requests this gateway currently has on the worker (decode: one per choice)
     bulk_address: str = ""             # decode: its bulk KV path, learnt from Reserve replies
     # decode: its prefix-cache summary (ids of its cached block keys) and that summary's version;
     # emptied when a poll fails (a restarted worker lost its cache, and says so with a new version)

@@ -122,6 +122,15 @@ class WorkerRpc:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await asyncio.shield(release)
 
+    async def retire_choices(self, h: WorkerHandle, reservation: pb.Reservation, job: ChatJob,
+                             choices: list[int]) -> None:
+        """Retire these choices (n > 1) on the decode worker now; the others run on. Never raises here."""
+        retire = asyncio.ensure_future(h.stub.Release(
+            pb.ReleaseRequest(request_id=job.request_id, reservation=reservation, reason="choice ended by the gateway",
+                              choices=choices), timeout=2.0))
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.shield(retire)
+
     async def alive(self, h: WorkerHandle) -> bool:
         """A quick probe after a failure: is the worker itself still there?"""
         try:

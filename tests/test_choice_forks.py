@@ -105,3 +105,32 @@ def test_choice_seeds_are_distinct_reproducible_and_choice_0_is_the_request():
     assert all(SEED_MIN <= choice_seed(s, i) <= SEED_MAX for s in (SEED_MIN, -1, 0, SEED_MAX) for i in range(16))
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=17)
+
+
+def test_a_choice_the_gateway_ends_early_retires_and_frees_once():
+    """``retire_choices`` (the gateway ended choice 1) retires it at the step boundary and frees its
+    own blocks; its normal end afterwards (or a second early retire) frees nothing again, and the
+    other choices run on until they end and release the rest."""
+    from decode_svc.request_status import DecodeStatus
+    from decode_svc.scheduler import DecodeScheduler, Sequence
+    pool, t = table()
+    res = reserve(t, 10, 6, 3)
+    sched = DecodeScheduler(None, pool, on_retire=lambda s: t.retire_choice(s.lease, s.index, "retired"))
+    seqs = [Sequence("r", res.lease, res.choice_blocks(i), 10, 6, SamplingParams(n=3), index=i) for i in range(3)]
+    for s in seqs:
+        s._status = DecodeStatus.RUNNING
+        sched._running.append(s)
+    assert sched.retire_choices(res.reservation_id, res.lease.generation + 1, {1}) == 0   # another generation's
+    assert sched.retire_choices(res.reservation_id, res.lease.generation, {1}) == 1
+    assert pool.free_blocks == 32 - 8                   # marked only: it leaves at the step boundary
+    sched._drop_cancelled()
+    assert seqs[1].status is DecodeStatus.FINISHED_CANCELLED and pool.free_blocks == 32 - 6
+    assert sched.choices_retired_early == 1 and sched.running_seqs == 2
+    sched._retire(seqs[1], DecodeStatus.FINISHED_LENGTH)   # its normal end comes too late: a no-op
+    assert not t.retire_choice(res.lease, 1) and pool.free_blocks == 32 - 6
+    assert sched.retire_choices(res.reservation_id, res.lease.generation, {1}) == 0
+    assert seqs[1].events.qsize() == 1                  # one end event for the choice
+    for s in (seqs[0], seqs[2]):
+        sched._retire(s, DecodeStatus.FINISHED_LENGTH)
+    assert pool.free_blocks == 32 and t.get(res.reservation_id) is None
+    assert sched.choices_retired_early == 1

@@ -6,17 +6,21 @@ disaggregated); every request goes through the official ``openai`` client. What 
 with each choice's logprobs); a seeded sampled ``n=3`` is reproducible, the same in both
 placements, its choices differ and choice 0 is the ``n=1`` text; usage sums the choices;
 a stop-string / max_tokens mix and a stream the client leaves after its first chunk end
-every choice. After every test each decode block is free again and nothing is held
+every choice; a choice a stop string ends on the gateway is retired on decode at once (decode's
+``choices_retired_early_total``) while the others run to their full length. After every test each decode block is free again and nothing is held
 (``tests/leaks.py``), which is the check that every choice retired and freed once.
 """
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from cluster import PLACEMENTS
+from proto.epd.v1 import epd_pb2 as pb
+from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 # the same stack as the sampling tests (one per module): both placements, chunks of 8, leak-checked
 from test_sampling_api import MODEL, clients, image_chat, nothing_leaks, served  # noqa: F401 (fixtures)
 
@@ -97,6 +101,36 @@ def test_a_stop_and_max_tokens_mix_ends_every_choice(clients, placement):
     assert all(f in ("stop", "length") for f in finishes) and all("y" not in t for t in texts)
     assert {"stop", "length"} == set(finishes), (texts, finishes)
     assert usage.completion_tokens <= 4 * 4
+
+
+def retired_early(cluster) -> int:
+    """Decode's count of choices retired because the gateway ended them (a stop string matched there)."""
+    with grpc.insecure_channel(cluster.by_role("decode")[0].address) as ch:
+        return pb_grpc.DecodeStub(ch).Stats(pb.StatsRequest(since_sample=2**63), timeout=5).choices_retired_early_total
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_choice_a_stop_string_ends_is_retired_on_decode_and_the_others_run_on(served, clients, placement, stream):
+    """n=3, sampled, no EOS: the choices a stop string ends here are retired on decode before the
+    request ends (counted there), each freeing its own blocks once (the leak check after the test);
+    the others are unharmed and run to max_tokens."""
+    cluster, _ = served
+    messages, _ = image_chat(26)
+    before = retired_early(cluster)
+    texts, finishes, _, usage = chat_n(clients[placement], messages, stream, temperature=2.0, seed=11, n=3,
+                                       max_tokens=MAX_LONG, stop=["y"], extra_body={"ignore_eos": True})
+    stopped = finishes.count("stop")
+    assert 0 < stopped < 3 and finishes.count("length") == 3 - stopped, (texts, finishes)
+    assert all("y" not in t for t in texts)
+    assert retired_early(cluster) - before == stopped    # every stopped choice, and only those
+    assert usage.completion_tokens > (3 - stopped) * MAX_LONG   # the long ones ran to their end
+    no_stop = chat_n(clients[placement], messages, stream, temperature=2.0, seed=11, n=3, max_tokens=MAX_LONG,
+                     extra_body={"ignore_eos": True})[1]
+    assert no_stop == ["length"] * 3 and retired_early(cluster) - before == stopped   # nothing ended early
+
+
+MAX_LONG = 24
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -80,6 +80,16 @@ def test_remote_estimate_adds_queues() -> None:
     assert remote(LONG, PrefillWorkerLoad("p0"), full)["remote_ttft_ms"] == pytest.approx(2045.0)
 
 
+def test_a_request_of_n_choices_waits_until_n_slots_are_free() -> None:
+    """n sequences take n batch slots: one free slot serves n=1 at once; n=3 waits for the slot wait."""
+    one_free = DecodeWorkerLoad("d0", running_seqs=31, free_slots=1, slot_wait_ms=2000.0)
+    three = RequestShape(6000, 400, choices=3)
+    assert remote(LONG, PrefillWorkerLoad("p0"), one_free)["remote_ttft_ms"] < 2000.0
+    assert remote(three, PrefillWorkerLoad("p0"), one_free)["remote_ttft_ms"] == pytest.approx(
+        2000.0 + CM.decode_step_ms(32))
+    assert local(three, one_free)["local_ttft_ms"] > local(LONG, one_free)["local_ttft_ms"] + 1999.0
+
+
 def test_link_share() -> None:
     assert link_share(100.0, LinkLoad()) == 1.0
     assert link_share(100.0, LinkLoad(active_transfers=1, inflight_bytes=100.0)) == pytest.approx(0.5)

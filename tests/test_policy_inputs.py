@@ -171,6 +171,16 @@ def test_decode_slots_come_from_the_configured_batch_and_the_fresher_count() -> 
     assert decode_load(full, shape, CM).slot_wait_ms == pytest.approx(2 * 40 / 10 * CM.decode_step_ms(9))
 
 
+def test_a_request_of_n_choices_claims_n_decode_slots() -> None:
+    """Two slots free: n=2 fits now; n=4 waits for the 2nd retirement of the 6 running (2 x 40 / 7 steps)."""
+    w = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=2, max_batch=10)
+    assert decode_load(w, RequestShape(100, 40, choices=2), CM).slot_wait_ms == 0.0
+    assert decode_load(w, RequestShape(100, 40, choices=4), CM).slot_wait_ms == pytest.approx(
+        2 * 40 / 7 * CM.decode_step_ms(6))
+    placed = WorkerReport(Role.DECODE, "d", max_batch=10, in_flight=9)   # the gateway's count: one per choice
+    assert decode_load(placed, RequestShape(100, 40, choices=2), CM).slot_wait_ms > 0.0
+
+
 def test_queues_charge_the_fixed_prefill_cost_once_per_request() -> None:
     cm = CostModel(CM.service_times().replace(prefill_ms_per_token2=1e-5))
     loads = stage_loads(StatsSnapshot((WorkerReport(Role.PREFILL, "p", queue_depth=4, queued_prefill_tokens=4000),)),

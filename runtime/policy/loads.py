@@ -55,10 +55,11 @@ class DecodeWorkerLoad:
     address: str
     running_seqs: int = 0
     free_slots: int = 1  # batch slots neither running, reserved nor promised to queued requests
+    # (a request of n choices needs n of them; below that it waits ``slot_wait_ms``)
     free_blocks: int | None = None  # free KV blocks; None: not reported (no block check)
     block_size: int = 16  # tokens per KV block
     queue_wait_ms: float = 0.0  # local prefill work already queued on this worker
-    slot_wait_ms: float = 0.0  # until a slot frees, when free_slots == 0
+    slot_wait_ms: float = 0.0  # until enough slots free, when free_slots < the request's choices
     accepts_local_prefill: bool = True  # False: a pure decode worker (no colocated option)
     cached_prefix_tokens: int = 0  # of this request's prompt, cached KV here (< prompt_tokens)
     cached_images: int = 0  # of this request's images, wholly inside that prefix (no encode when colocated here)

@@ -233,7 +233,7 @@ def _best_local(
     for w in workers:
         cached = w.cached_prefix_tokens
         tokens = full - cached
-        start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots <= 0 else 0.0)
+        start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots < shape.choices else 0.0)
         enc = encode_ms
         if cached and w.cached_images:
             rest = shape.n_images - w.cached_images
@@ -289,7 +289,7 @@ def _best_remote(
     best_w, best_ttft = None, 0.0
     for w in decode:
         at = landed
-        if w.free_slots <= 0 and w.slot_wait_ms > at:
+        if w.free_slots < shape.choices and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)
         if best_w is None or _better(ttft, w, best_ttft, best_w):

@@ -11,9 +11,11 @@ decision. Every estimate made here uses only these fields and the cost model:
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
-- slot wait, when none is free: the ``k``-th retirement among ``running`` sequences whose
-  remaining lengths are taken as spread evenly up to this request's ``max_tokens`` (the only
-  output length the policy knows): ``k x max_tokens / (running + 1)`` steps;
+- a request takes one slot per choice (``shape.choices``: ``n`` sequences in the batch), and the
+  caller's ``in_flight`` counts its own requests the same way;
+- slot wait, when fewer than its choices are free: the ``k``-th retirement among ``running``
+  sequences whose remaining lengths are taken as spread evenly up to this request's
+  ``max_tokens`` (the only output length the policy knows): ``k x max_tokens / (running + 1)`` steps;
 - the KV link: the remote requests the caller has admitted that have no first token yet
   (``kv_transfers``, ``kv_bytes``), all sharing the link with a new transfer;
 - the encoder pool: the least-loaded encoder's queue, one image's encode per entry;
@@ -124,8 +126,8 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     free = slots - claimed
     local_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, w.queue_depth) if w.queued_prefill_tokens else 0.0
     slot_wait = 0.0
-    if free <= 0:  # the (claimed - slots + 1)-th retirement frees the slot this request needs
-        steps = (1 - free) * shape.max_tokens / (running + 1)
+    if free < shape.choices:  # the (claimed - slots + choices)-th retirement frees the last slot it needs
+        steps = (shape.choices - free) * shape.max_tokens / (running + 1)
         slot_wait = steps * cm.decode_step_ms(running)
     cached = min(w.cached_prefix_tokens, shape.prompt_tokens - 1)
     return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
