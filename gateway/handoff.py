@@ -7,8 +7,15 @@ States (``HandoffState``), in order; a failure raises out of any of them::
                     │      v
                   RECOVERING
 
-RESERVING   ``Reserve`` on the chosen decode worker; when that fails because the worker is
-            gone (nothing was sent anywhere yet), once more on the least loaded other one.
+RESERVING   ``Reserve`` on the chosen decode worker while the request's images are encoded
+            (``encode``: Reserve needs only the token counts, the digest, the rope delta and
+            the prefix keys, none of them from Encode, so the two RPCs overlap); when Reserve
+            fails because the worker is gone (nothing was sent anywhere yet), once more on the
+            least loaded other one. Both must succeed to leave the state: a failed Reserve
+            cancels the Encode still running (its result is unused) and raises Reserve's error,
+            or Encode's when Encode had already failed (Encode went first before they overlapped);
+            a failed Encode raises once Reserve is done, with the reservation held, and
+            ``events``' ``finally`` releases it.
             Every Reserve names the prompt's prefix-cache keys for that worker
             (``gateway/prefix_routing.py``); a colocated one asks to reuse its cached blocks,
             and the reply's ``cached_tokens`` (in the TTFT breakdown) is what it reused. An image
@@ -79,11 +86,13 @@ class Handoff:
                  digest: str, breakdown: dict[str, float], *, registry: WorkerRegistry, rpc: WorkerRpc,
                  cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int,
                  prefix: PrefixView | None = None, skipped: frozenset[int] = frozenset(),
-                 encode_images: Callable[[set[int]], Awaitable[None]] | None = None):
+                 encode_images: Callable[[set[int]], Awaitable[None]] | None = None,
+                 encode: Callable[[], Awaitable[None]] | None = None):
         self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
         self.prefix = prefix                  # the prompt's prefix-cache keys per decode worker
         self.skipped = set(skipped)           # images not encoded: expected in the colocated worker's cache
         self.encode_images = encode_images
+        self.encode = encode                  # the images' Encode, run beside the first Reserve (once)
         self.registry, self.rpc, self.cost_model, self.chunk_tokens = registry, rpc, cost_model, chunk_tokens
         self.loads = loads   # the policy's inputs now (gateway/admission.py), for the failure policy
         decode = registry.get("decode", decision.decode_worker)
@@ -118,14 +127,25 @@ class Handoff:
 
     # -- states --------------------------------------------------------------------
     async def _reserve(self) -> None:
+        encoding = asyncio.create_task(self.encode()) if self.encode is not None else None
+        self.encode = None
         try:
-            await self._reserve_on_decode()
-        except BackendFailure:
-            moved = await self._replacement_decode()
-            if moved is None:
-                raise
-            self._move_to(moved)
-            await self._reserve_on_decode()
+            try:
+                await self._reserve_on_decode()
+            except BackendFailure:
+                moved = await self._replacement_decode()
+                if moved is None:
+                    raise
+                self._move_to(moved)
+                await self._reserve_on_decode()
+        except BaseException as exc:   # no reservation (or the client gone): the Encode is not needed
+            if encoding is not None:
+                failed = await _cancel(encoding)
+                if failed is not None and isinstance(exc, Exception):
+                    raise failed from None   # it failed first: its error, as when Encode ran before Reserve
+            raise
+        if encoding is not None:
+            await encoding   # a failure raises with the reservation held: the close releases it
         self.state = HandoffState.ATTEMPTING
 
     async def _reserve_on_decode(self) -> None:
@@ -263,6 +283,16 @@ class Handoff:
         m.FAILURE_ACTIONS.labels("other_decode").inc()
         log.warning("decode worker %s is gone; placing the request on another", lost.address)
         return least_loaded_decode(others)
+
+
+async def _cancel(task: asyncio.Task) -> BaseException | None:
+    """Cancel ``task`` and wait for it to end; the exception it had already ended with, if any."""
+    failed = task.exception() if task.done() and not task.cancelled() else None
+    task.cancel()
+    await asyncio.wait([task])
+    if not failed and not task.cancelled():
+        task.exception()   # retrieved: a failure after the cancel is not logged as unretrieved
+    return failed
 
 
 def _logprobs(ev: pb.TokenEvent) -> list[SampledToken] | None:

@@ -8,9 +8,9 @@ Life of one request (the deadline travels in every message and as every RPC's ti
    online-calibrated cost model; refuse at once (429 + Retry-After) if none meets
    the deadline or no decode capacity will exist;
 3. encode the images that are not cached (the encoder fills the cache; the image
-   bytes travel only here, later messages carry keys);
+   bytes travel only here, later messages carry keys), and at the same time
 4. the handoff (``gateway/handoff.py``): reserve decode blocks (fails fast when they
-   cannot fit), then either
+   cannot fit; Reserve needs nothing from Encode, so the two RPCs overlap), then either
    - colocated: ``Decode.Generate(colocated)`` prefills on the decode worker, or
    - disaggregated: ``Decode.Generate`` waits for KV while ``Prefill.Prefill``
      pushes it chunk by chunk into the reservation;
@@ -143,9 +143,11 @@ class Orchestrator:
             # colocated on a worker that holds a prefix: the images wholly inside it are not encoded
             expected = prefix.cached_tokens(decision.decode_worker) if colocated else 0
             skipped = frozenset(range(len(images.refs))) - set(prefix.images_needed(expected)) if expected else frozenset()
-            with span("gateway.encode", **rid, **{"epd.images": len(job.images) - len(skipped),
-                                                  "epd.images_cached": images.n_cached}):
-                await self.encoder_step.encode(job, images, breakdown, skip=skipped)
+
+            async def encode() -> None:   # the handoff runs it beside Decode.Reserve
+                with span("gateway.encode", **rid, **{"epd.images": len(job.images) - len(skipped),
+                                                      "epd.images_cached": images.n_cached}):
+                    await self.encoder_step.encode(job, images, breakdown, skip=skipped)
 
             async def encode_images(needed: set[int]) -> None:
                 await self.encoder_step.encode(job, images, breakdown, skip=set(range(len(images.refs))) - needed)
@@ -155,7 +157,7 @@ class Orchestrator:
                               registry=self.registry, rpc=self.rpc, cost_model=self.admission.cost_model,
                               loads=lambda: self.admission.loads(shape, self.registry, own_transfer=not colocated),
                               chunk_tokens=self.chunk_tokens, prefix=prefix, skipped=skipped,
-                              encode_images=encode_images)
+                              encode=encode, encode_images=encode_images)
             # aclosing: when the consumer closes us (disconnect, stop string), the handoff's
             # finally (release the reservation) runs now, not whenever the generator is collected
             async with contextlib.aclosing(handoff.events()) as events:

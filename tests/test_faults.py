@@ -189,15 +189,22 @@ async def test_encoder_stall_fails_by_the_deadline_in_both_placements(cluster, p
     try:
         for o in orchs:
             await o.start()
-        results = await asyncio.gather(*(run_job(o, processor, make_job(processor, 28 + i, deadline_s)[0])
-                                         for i, o in enumerate(orchs)))
-        # the encoder answers later than any deadline and the placement only starts after it:
-        # each request ends with its deadline (504), no sooner and not much later, whatever its placement
+        running = asyncio.gather(*(run_job(o, processor, make_job(processor, 28 + i, deadline_s)[0])
+                                   for i, o in enumerate(orchs)))
+        # Reserve goes out beside Encode: both requests hold a reservation on decode while their
+        # Encode is still stalled on the encoder (it answers only after every deadline)
+        decode = cluster.by_role("decode")[0].address
+        while (await asyncio.to_thread(decode_stats, decode)).reservations_active < len(orchs):
+            assert not running.done(), "the requests ended without both reserving while Encode stalled"
+            await asyncio.sleep(0.02)
+        results = await running
+        # the encoder answers later than any deadline: each request ends with its deadline (504),
+        # no sooner and not much later, whatever its placement, and releases its reservation
         for outcome, text, secs in results:
             assert outcome == "deadline", (outcome, text)
             assert secs <= deadline_s + MARGIN_S
         t0 = time.monotonic()
-        await check.settled()   # the encoder dropped both flights; nothing was reserved anywhere
+        await check.settled()   # the encoder dropped both flights; both reservations were released
         print(f"\nsettled {time.monotonic() - t0:.1f} s after the deadlines")
     finally:
         for o in orchs:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from gateway.attempt import AttemptOutcome
-from gateway.chat_backend import BackendFailure, ChatJob
+from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob
 from gateway.handoff import Handoff, HandoffState
 from gateway.admission import CPU_PRIOR
 from gateway.recovery import Failure, Step, choose_action, plan_recovery
@@ -74,11 +74,16 @@ class FakeStream:
 class FakeDecode:
     """Scripted decode worker: each Generate takes the next stream; records every call."""
 
-    def __init__(self, streams: list[FakeStream], alive: bool = True, reserve_error: grpc.aio.AioRpcError | None = None):
-        self.streams, self.alive, self.reserve_error = streams, alive, reserve_error
+    def __init__(self, streams: list[FakeStream], alive: bool = True, reserve_error: grpc.aio.AioRpcError | None = None,
+                 reserve_gate: asyncio.Event | None = None):
+        self.streams, self.alive, self.reserve_error, self.reserve_gate = streams, alive, reserve_error, reserve_gate
         self.reserved, self.rearmed, self.released, self.generated = 0, 0, [], []
+        self.reserve_seen = asyncio.Event()   # a Reserve arrived (set before its reply or error)
 
     async def Reserve(self, request, timeout=None):
+        self.reserve_seen.set()
+        if self.reserve_gate is not None:
+            await self.reserve_gate.wait()
         if self.reserve_error is not None:
             raise self.reserve_error
         self.reserved += 1
@@ -148,7 +153,7 @@ def registry_with(**stubs) -> WorkerRegistry:
 
 
 def make_handoff(registry: WorkerRegistry, decode: str = "d1", prefill: str | None = "p1",
-                 deadline_s: float = 30.0) -> Handoff:
+                 deadline_s: float = 30.0, encode=None) -> Handoff:
     now = time.monotonic()
     job = ChatJob("req", [1, 2, 3], [], 4, SamplingParams(), now + deadline_s, 100.0, now)
     decision = PlacementDecision("disaggregated" if prefill else "colocated", decode, prefill, "forced", {"ttft_ms": 1.0})
@@ -157,7 +162,7 @@ def make_handoff(registry: WorkerRegistry, decode: str = "d1", prefill: str | No
                           prefill=tuple(PrefillWorkerLoad(h.address) for h in registry.healthy("prefill")))
 
     return Handoff(job, SHAPE, decision, [], "digest", {}, registry=registry, rpc=WorkerRpc(registry),
-                   cost_model=CostModel(prior=CPU_PRIOR), loads=loads, chunk_tokens=8)
+                   cost_model=CostModel(prior=CPU_PRIOR), loads=loads, chunk_tokens=8, encode=encode)
 
 
 async def collect(handoff: Handoff) -> list:
@@ -350,4 +355,86 @@ async def test_a_reserve_on_a_dead_decode_worker_is_placed_on_another():
     assert [ev.token_ids for ev in events] == [[5]]
     assert not registry.get("decode", "d1").healthy and spare.reserved == 1
     assert spare.generated[0].colocated and inflight(registry) == {"d1": 0, "d2": 0}
+    assert not await tasks_left()
+
+
+# -- Reserve beside Encode ---------------------------------------------------------------------
+
+ENCODE_WAIT_S = 10.0   # a deadlock bound, not a timing: an Encode run before Reserve waits it out and fails
+
+
+def encode_after_reserve(decode: FakeDecode, log: list, error: Exception | None = None):
+    """The images' Encode as the handoff runs it: it finishes only once decode has seen a Reserve
+    (so it can succeed only when the two overlap), then fails with ``error`` if given."""
+    async def encode() -> None:
+        log.append("encode started")
+        try:
+            await asyncio.wait_for(decode.reserve_seen.wait(), ENCODE_WAIT_S)
+        except TimeoutError:
+            raise BackendFailure("Encode finished without a Reserve beside it", 503) from None
+        log.append("encode saw reserve")
+        if error is not None:
+            raise error
+    return encode
+
+
+async def test_reserve_is_sent_while_the_images_are_encoded():
+    decode = FakeDecode([FakeStream([token([5], "length")])])
+    registry = registry_with(decode_d1=decode)
+    log: list = []
+    events = await collect(make_handoff(registry, prefill=None, encode=encode_after_reserve(decode, log)))
+    assert [ev.token_ids for ev in events] == [[5]]
+    assert log == ["encode started", "encode saw reserve"] and decode.reserved == 1
+    assert decode.released == [] and inflight(registry) == {"d1": 0}
+    assert not await tasks_left()
+
+
+async def test_an_encode_failing_after_its_reserve_releases_the_reservation_once():
+    decode = FakeDecode([FakeStream([token([5], "length")])])
+    registry = registry_with(decode_d1=decode)
+    log: list = []
+    handoff = make_handoff(registry, prefill=None,
+                           encode=encode_after_reserve(decode, log, BackendFailure("encoder grid differs", 503)))
+    with pytest.raises(BackendFailure, match="encoder grid differs"):
+        await collect(handoff)
+    assert decode.reserved == 1 and decode.released == ["r1"] and decode.generated == []
+    assert handoff.reservation is None and inflight(registry) == {"d1": 0}
+    assert not await tasks_left()
+
+
+async def test_a_refused_reserve_keeps_its_error_and_cancels_the_encode():
+    started = asyncio.Event()   # Reserve answers (refused) only once the Encode is in flight
+    decode = FakeDecode([], reserve_error=rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks"),
+                        reserve_gate=started)
+    registry = registry_with(decode_d1=decode)
+    cancelled = []
+
+    async def encode() -> None:   # still encoding when Reserve is refused
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    with pytest.raises(AdmissionRefused, match="decode capacity: no free blocks") as info:
+        await collect(make_handoff(registry, prefill=None, encode=encode))
+    assert info.value.status == 429 and cancelled == [True]
+    assert decode.released == [] and inflight(registry) == {"d1": 0}
+    assert not await tasks_left()
+
+
+async def test_an_encode_that_failed_before_a_failed_reserve_is_the_error():
+    gate = asyncio.Event()
+    decode = FakeDecode([], reserve_error=rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks"),
+                        reserve_gate=gate)
+    registry = registry_with(decode_d1=decode)
+
+    async def encode() -> None:   # fails first, then lets Reserve answer (refused)
+        gate.set()
+        raise BackendFailure("encoder gone", 503)
+
+    with pytest.raises(BackendFailure, match="encoder gone"):
+        await collect(make_handoff(registry, prefill=None, encode=encode))
+    assert decode.released == [] and inflight(registry) == {"d1": 0}
     assert not await tasks_left()
