@@ -138,6 +138,11 @@ class KVBlockPool(KVPoolIO):
         chunk = self.window_chunk if chunk is None else chunk
         return min(self.blocks_for(tokens), self.blocks_for(self.layout.sliding_window + chunk - 1))
 
+    @property
+    def ring_blocks_max(self) -> int:
+        """The most pages one ring of this pool's sequences holds (0 on a dense pool)."""
+        return self.ring_blocks(1 << 40)
+
     def pages_for(self, tokens: int, chunk: int | None = None) -> int:
         """Every page one sequence of ``tokens`` positions holds: its block table and its rings."""
         return self.blocks_for(tokens) + self.groups.window_groups * self.ring_blocks(tokens, chunk)

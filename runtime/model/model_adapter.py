@@ -168,6 +168,11 @@ class VLMAdapter:
         embeddings = self.family.encode_pixels(self.model, pixel_values.to(self.device, self.kv_layout.dtype))
         return [self.family.to_tensor(e) for e in embeddings]
 
+    @property
+    def longest_image_span(self) -> int:
+        """The longest bidirectional image run a prompt can have (0: causal images): a chunk grows to it."""
+        return self.family.longest_image_span(self.processor)
+
     def image_tokens(self, width: int, height: int) -> int:
         """Placeholder tokens of an image of this size: the processor's own rule."""
         return self.family.image_tokens(self.processor, width, height)
