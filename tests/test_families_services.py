@@ -17,7 +17,7 @@ start-up ("multi-crop (anyres) image features", "multi-crop image splitting").
 from __future__ import annotations
 
 import pytest
-from family_services import Stack, family_stack, orchestrator, run
+from family_services import Stack, family_stack, orchestrator, run, run_choices
 from leaks import LeakCheck
 from qwen_vl_cases import image_runs
 
@@ -74,3 +74,15 @@ async def test_gemma3_decode_keeps_the_window_only(stack, leaks):
     full_layers = layout.layers - len(layout.sliding_layers)
     # bytes: a windowed page holds the full layers only; dense pages hold every layer
     assert windowed * full_layers < dense_pages * layout.layers / 2
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+async def test_gemma3_choices_fork_their_rings(stack, leaks, placement):
+    """n = 2 greedy on Gemma 3: each choice forks the prompt's KV, its own copy of the rings included
+    (a ring is written by every step, so sharing one would mix the choices): two copies of generate()."""
+    if stack.adapter.family.name != "Gemma 3":
+        pytest.skip("the sliding-window pool is Gemma 3's")
+    async with orchestrator(stack, placement, 7, leaks) as o:
+        for name in ("one-image", "three-images"):
+            r = stack.requests[name]
+            assert await run_choices(o, stack, r, 2) == [(r.expected, r.finish)] * 2, name
