@@ -82,9 +82,12 @@ class KVBlockPool(KVPoolIO):
         self.window_chunk = window_chunk if self.groups.windowed else None
         if self.groups.windowed and prefix_cache:
             raise ValueError("a pool that keeps only the sliding window cannot cache prefixes")
-        g = self.groups.page_layers
-        self.kv = torch.zeros((g, 2, num_blocks, block_size, layout.kv_heads, layout.head_dim), dtype=layout.dtype, device=device)
-        self._flat = self.kv.view(g, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
+        g, storage = self.groups.page_layers, layout.storage_shape
+        self.kv = torch.zeros((g, 2, num_blocks, block_size, *storage), dtype=layout.dtype, device=device)
+        self._flat = self.kv.view(g, 2, num_blocks * block_size, *storage)
+        # per model layer: its K/V blocks [2, blocks, block_size, kv_heads, head_dim] and flat slots [2, slots, elems]
+        self.layer_kv = [self._layer_view(layer) for layer in range(layout.layers)]
+        self._lflat = [view.flatten(3).flatten(1, 2) for view in self.layer_kv]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owner = [FREE] * num_blocks      # owner token per block
         self._tokens = itertools.count(FREE + 1)

@@ -256,7 +256,7 @@ class VLMAdapter:
         """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
         item's state slot: ``states``); return last-token logits."""
         row = pack(pool, items, self.family.position_kind, self.device)
-        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
+        batch = PagedBatch(pool.layer_kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
                            pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)
         if row.deepstack is not None:
