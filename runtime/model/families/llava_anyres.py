@@ -57,7 +57,7 @@ class LlavaNextFamily(LlavaStyleFamily):
 
     def encode(self, model: Any, processor: Any, images: Sequence[Image.Image], dtype: torch.dtype,
                device: torch.device) -> list[ImageEmbedding]:
-        # a flat list: every image tiled (its stored form, whatever prompt it is used in)
+        # a flat list: every image tiled (the single-image form; OneVision's other form: encode_variants)
         pixels = processor.image_processor(list(images), return_tensors="pt")
         out = model.get_image_features(pixel_values=pixels["pixel_values"].to(device, dtype),
                                        image_sizes=pixels["image_sizes"].to(device), return_dict=True)
