@@ -1,7 +1,8 @@
 """A request's images up to the encoder cache: content keys, which are cached, encoding the rest.
 
 ``plan`` (before admission) picks the least loaded encoder, computes each image's
-salted content key in its layout variant (``ChatJob.image_variants``; and names its grid, ``ChatJob.image_grids``) and asks that encoder which are cached — only for keys this
+salted content key in its layout variant (``ChatJob.image_variants``; and names its grid,
+``ChatJob.image_grids``) and asks that encoder which are cached — only for keys this
 gateway has sent before (``seen_images``); a never-seen image counts as a miss until
 ``Encode`` reports. ``encode`` (after admission) sends the images with their bytes
 to that encoder unless every one is known cached; the encoder computes only the misses,
