@@ -11,7 +11,10 @@ float32; ``epd demo-model --family gemma3``'s builder with the decoder widened) 
 by a real ``epd decode`` process, and this process pushes one prompt's KV to it as the
 prefill worker does: chunks read from a KV pool (``read`` dense, ``read_wire`` trimmed),
 framed (checksum) beforehand, sent with the prefill worker's own ``KVSender`` over the
-bulk TCP path and as ``Decode.PushKV`` messages. The clock runs from the first send to
+bulk TCP path and as ``Decode.PushKV`` messages: dense chunks to a decode worker started with
+``--no-sliding-window-kv`` (every layer keeps every position), trimmed ones to one with the
+default windowed pool (sliding layers in rings of about W positions). Beside the bytes sent, the
+bytes kept: the blocks one reservation of the prompt takes on each worker. The clock runs from the first send to
 decode's reply, which comes only after every chunk landed and the transfer verified
 (``SUCCESS``). Dense and trimmed runs are interleaved repeat by repeat in one invocation;
 the result is each one's bytes and median time and their ratios. JSON goes to
@@ -64,7 +67,25 @@ def frame(pool, blocks, n: int, chunk_tokens: int, fingerprint: str, trimmed: bo
     return msgs
 
 
-async def measure(address: str, checkpoint: Path, args, results: dict) -> None:
+async def kept_bytes(stub, layout, n: int, fingerprint: str) -> int:
+    """What the decode worker holds for one ``n``-token prompt: the blocks a reservation takes (its free
+    blocks before and after ``Reserve``) times one block's bytes there (a windowed pool's block holds
+    the full-attention layers' share: ``PageGroups``)."""
+    from proto.epd.v1 import epd_pb2 as pb
+    from runtime.model.kv_layout import PageGroups
+
+    before = await stub.Stats(pb.StatsRequest(), timeout=10)
+    res = await stub.Reserve(pb.ReserveRequest(request_id="bench-kept", prompt_tokens=n, max_tokens=1,
+                                               deadline_unix_ms=int((time.time() + 60) * 1000),
+                                               token_digest="bench-digest", model_fingerprint=fingerprint), timeout=30)
+    after = await stub.Stats(pb.StatsRequest(), timeout=10)
+    await stub.Release(pb.ReleaseRequest(request_id="bench-kept", reservation=res.reservation, reason="bench"), timeout=30)
+    page_layers = PageGroups.for_layout(layout, windowed=before.ring_groups > 0).page_layers
+    page_bytes = page_layers * layout.layer_token_bytes * before.block_size
+    return (before.free_blocks - after.free_blocks) * page_bytes
+
+
+async def measure(addresses: dict[str, str], checkpoint: Path, args, results: dict) -> None:
     import torch
 
     from proto.epd.v1 import epd_pb2 as pb
@@ -80,31 +101,37 @@ async def measure(address: str, checkpoint: Path, args, results: dict) -> None:
     pool = KVBlockPool(layout, num_blocks=-(-n // 16), block_size=16)
     blocks = pool.allocate(n)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
-    async with open_channel(address, token_from_env()) as ch:
-        stub = pb_grpc.DecodeStub(ch)
-        fingerprint = (await stub.Stats(pb.StatsRequest(), timeout=10)).model_fingerprint
+    channels = {kind: open_channel(address, token_from_env()) for kind, address in addresses.items()}
+    stubs = {kind: pb_grpc.DecodeStub(await ch.__aenter__()) for kind, ch in channels.items()}
+    try:
+        fingerprint = (await stubs["dense"].Stats(pb.StatsRequest(), timeout=10)).model_fingerprint
         runs = {kind: frame(pool, blocks, n, args.chunk_tokens, fingerprint, kind == "trimmed") for kind in ("dense", "trimmed")}
         sizes = {kind: sum(len(m.payload) for m in msgs) for kind, msgs in runs.items()}
+        kept = {kind: await kept_bytes(stubs[kind], layout, n, fingerprint) for kind in runs}
         times: dict[str, list[float]] = {f"{kind}_{path}": [] for kind in runs for path in ("bulk", "grpc")}
         for kind, msgs in runs.items():        # warm-up, untimed
-            await bulk_push(stub, msgs, n, fingerprint)
-            await grpc_push(stub, msgs, n, fingerprint)
+            await bulk_push(stubs[kind], msgs, n, fingerprint)
+            await grpc_push(stubs[kind], msgs, n, fingerprint)
         for _ in range(args.repeats):
             for kind, msgs in runs.items():
-                times[f"{kind}_bulk"].append(await bulk_push(stub, msgs, n, fingerprint))
-                times[f"{kind}_grpc"].append((await grpc_push(stub, msgs, n, fingerprint))[0])
+                times[f"{kind}_bulk"].append(await bulk_push(stubs[kind], msgs, n, fingerprint))
+                times[f"{kind}_grpc"].append((await grpc_push(stubs[kind], msgs, n, fingerprint))[0])
+    finally:
+        for ch in channels.values():
+            await ch.__aexit__(None, None, None)
     med = {k: statistics.median(v) for k, v in times.items()}
     results.update(layout=layout.describe(), tokens=n, chunk_tokens=args.chunk_tokens, window=layout.sliding_window,
                    sliding_layers=len(layout.sliding_layers), window_from=layout.window_from(n), bytes=sizes,
-                   bytes_ratio=sizes["trimmed"] / sizes["dense"], seconds=times, median_s=med,
+                   bytes_ratio=sizes["trimmed"] / sizes["dense"], kept_bytes=kept,
+                   kept_ratio=kept["trimmed"] / kept["dense"], seconds=times, median_s=med,
                    time_ratio_bulk=med["trimmed_bulk"] / med["dense_bulk"],
                    time_ratio_grpc=med["trimmed_grpc"] / med["dense_grpc"])
     print(f"KV {layout.describe()}; {n}-token prompt, {args.chunk_tokens}-token chunks, medians of {args.repeats}")
     for kind in runs:
-        print(f"  {kind:<8} {sizes[kind] / MiB:8.2f} MiB   bulk {med[f'{kind}_bulk'] * 1000:8.1f} ms   "
-              f"PushKV {med[f'{kind}_grpc'] * 1000:8.1f} ms")
-    print(f"  trimmed/dense: bytes {results['bytes_ratio']:.3f}, time bulk {results['time_ratio_bulk']:.3f}, "
-          f"time PushKV {results['time_ratio_grpc']:.3f}")
+        print(f"  {kind:<8} sent {sizes[kind] / MiB:8.2f} MiB   kept {kept[kind] / MiB:8.2f} MiB   "
+              f"bulk {med[f'{kind}_bulk'] * 1000:8.1f} ms   PushKV {med[f'{kind}_grpc'] * 1000:8.1f} ms")
+    print(f"  trimmed/dense: bytes sent {results['bytes_ratio']:.3f}, kept {results['kept_ratio']:.3f}, "
+          f"time bulk {results['time_ratio_bulk']:.3f}, time PushKV {results['time_ratio_grpc']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,21 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="sliding_window_handoff-"))
     checkpoint = build_gemma3("gemma3", logs / "gemma-style", text_overrides=GEMMA_STYLE)
-    port = free_port()
     per_token = LAYERS * 2 * GEMMA_STYLE["num_key_value_heads"] * GEMMA_STYLE["head_dim"] * 4
     kv_mb = 2 * args.tokens * per_token // MiB + 64
-    decode = bench_process("decode worker", worker_cmd("decode", checkpoint, port, None, ["--kv-memory-mb", str(kv_mb)]),
-                           logs / "decode.log")
+    ports = {"dense": free_port(), "trimmed": free_port()}
+    extra = {"dense": ["--no-sliding-window-kv"], "trimmed": []}   # the dense worker keeps every position
+    workers = [bench_process(f"decode worker ({kind})", worker_cmd("decode", checkpoint, port, None,
+                                                                    ["--kv-memory-mb", str(kv_mb), *extra[kind]]),
+                             logs / f"decode-{kind}.log") for kind, port in ports.items()]
     results: dict = dict(**results_header("sliding_window_handoff", argv), host=host_basics(), repeats=args.repeats)
     try:
-        decode.start()
-        address = f"127.0.0.1:{port}"
-        wait_grpc(address, [decode], 180)
+        for w in workers:
+            w.start()
+        addresses = {kind: f"127.0.0.1:{port}" for kind, port in ports.items()}
+        for address in addresses.values():
+            wait_grpc(address, workers, 180)
         started = time.perf_counter()
-        asyncio.run(measure(address, checkpoint, args, results))
+        asyncio.run(measure(addresses, checkpoint, args, results))
         results["wall_s"] = time.perf_counter() - started
     finally:
-        stop_group([decode])
+        stop_group(workers)
     finish_results(args.out, results, indent=2, allow_nan=True)
     print(f"written {args.out}")
     return 0

@@ -341,7 +341,7 @@ class BulkKVServer:
         if not receiver.pool.host_resident:
             return _Staged(self, header, corrupt=fate == "corrupt")
         views = receiver.pool.host_views(res.blocks, header.token_start, header.token_end, owner=res.attempt.owner,
-                                         layer_from=receiver.layer_from(header))   # sliding layers trimmed: fewer bytes
+                                         layer_from=receiver.layer_from(header), rings=res.choice_rings(0))   # sliding layers trimmed: fewer bytes
         return _InPlace(receiver, res, header, views, corrupt=fate == "corrupt")
 
     def refuse_stream(self, why: Exception) -> None:

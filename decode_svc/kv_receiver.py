@@ -121,9 +121,11 @@ class KVReceiver:
         layer_from = self.layer_from(chunk)
         if layer_from is None:
             kv = flat.view(dtype_from_name(chunk.dtype)).view(tuple(chunk.shape))
-            self.pool.write(res.blocks, chunk.token_start, kv, owner=res.attempt.owner)   # fenced by generation
+            self.pool.write(res.blocks, chunk.token_start, kv, owner=res.attempt.owner,   # fenced by generation
+                            rings=res.choice_rings(0))
         else:
-            self.pool.write_wire(res.blocks, chunk.token_start, chunk.token_end, flat, layer_from, owner=res.attempt.owner)
+            self.pool.write_wire(res.blocks, chunk.token_start, chunk.token_end, flat, layer_from, owner=res.attempt.owner,
+                                 rings=res.choice_rings(0))
         return self.accept(res, chunk, len(payload))
 
     def payload_bound(self, chunk: pb.KVChunk) -> int:
@@ -189,6 +191,10 @@ class KVReceiver:
         if chunk.sliding_from > layout.window_from(prompt_tokens):
             return (f"sliding_from {chunk.sliding_from} leaves out KV decode needs (sliding layers from "
                     f"{layout.window_from(prompt_tokens)} of a {prompt_tokens}-token prompt)")
+        first = min(chunk.token_end, max(chunk.token_start, chunk.sliding_from))
+        if self.pool.groups.windowed and first < min(chunk.token_end, layout.window_from(prompt_tokens)):
+            return (f"sliding layers from {first}: this worker keeps only the window (from "
+                    f"{layout.window_from(prompt_tokens)} of a {prompt_tokens}-token prompt); send them trimmed")
         if (chunk.layer_start, chunk.layer_end) != (0, layout.layers):
             return f"layer range {chunk.layer_start}..{chunk.layer_end} != 0..{layout.layers}"
         if chunk.dtype != dtype_name(layout.dtype):

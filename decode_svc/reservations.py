@@ -50,6 +50,12 @@ last partial prompt block (the decode worker copies it when the sequence forks) 
 blocks. The full prompt blocks are reference-counted by the choices still live: each choice
 retires once (``retire_choice``), a fork's own blocks are freed when it retires, and the last
 choice's retirement releases the reservation (the prompt blocks, choice 0's, any fork left).
+
+Windowed pool (sliding-window layers kept in rings, ``runtime/model/kv_pool.py``): every choice
+also owns its rings (``rings[i]``, ``choice_rings``), taken with the blocks under the same owner
+token and freed when that choice retires (choice 0's with the reservation); a fork's rings get
+a copy of choice 0's when it forks. The reservation's size is ``placement_policy.kv_blocks_needed``,
+the formula admission uses with the ``ring_groups`` / ``ring_blocks`` the worker reports.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from enum import Enum
 
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.kv_pool import KVBlockPool
+from runtime.policy.placement_policy import kv_blocks_needed
 from runtime.model.state_slots import StateSlotPool
 from runtime.worker.transfer_state import TransferState, advance
 
@@ -131,6 +138,7 @@ class Reservation:
     block_size: int = 16
     state_slot: int | None = None   # hybrid decoders: the linear-attention state slot (freed with the blocks)
     forks: list[list[int]] = field(default_factory=list)   # choice i > 0's own blocks at i - 1 ([] once freed)
+    rings: list[list[list[int]]] = field(default_factory=list)   # windowed pool: choice i's rings at i ([] once freed)
     retired: set[int] = field(default_factory=set)         # choices whose sequence retired (each once)
     cache_tokens: int = 0        # the most prompt KV any retired choice had written (what release may cache)
     created_at: float = field(default_factory=time.monotonic)
@@ -143,7 +151,8 @@ class Reservation:
     @property
     def owned(self) -> list[int]:
         """The blocks this reservation allocated (its owner token's); the rest are shared cached ones."""
-        return self.blocks[self.shared:] + [b for fork in self.forks for b in fork]
+        return (self.blocks[self.shared:] + [b for fork in self.forks for b in fork]
+                + [p for rings in self.rings for ring in rings for p in ring])
 
     @property
     def choices(self) -> int:
@@ -157,6 +166,10 @@ class Reservation:
     def choice_blocks(self, index: int) -> list[int]:
         """Choice ``index``'s block table: ``blocks`` for 0, the shared full prompt blocks + its fork for the others."""
         return self.blocks if index == 0 else self.blocks[: self.full_prompt_blocks] + self.forks[index - 1]
+
+    def choice_rings(self, index: int) -> list[list[int]] | None:
+        """Choice ``index``'s rings on a windowed pool (each choice writes its own), else ``None``."""
+        return self.rings[index] if self.rings else None
 
     @property
     def cached_tokens(self) -> int:
@@ -218,9 +231,10 @@ class ReservationTable:
 
     # -- check, then commit -----------------------------------------------------
     def blocks_needed(self, prompt_tokens: int, max_tokens: int, choices: int = 1) -> int:
-        """The prompt's blocks once, plus each further choice's own (its partial prompt block and output)."""
-        one = self.pool.blocks_for(prompt_tokens + max_tokens)
-        return one + (choices - 1) * (one - prompt_tokens // self.pool.block_size)
+        """The prompt's blocks once, plus each further choice's own (its partial prompt block and output),
+        plus every choice's rings on a windowed pool (the policy's formula: admission counts the same)."""
+        return kv_blocks_needed(prompt_tokens, max_tokens, choices, self.pool.block_size,
+                                self.pool.groups.window_groups, self.pool.ring_blocks_max)
 
     def can_reserve(self, prompt_tokens: int, max_tokens: int, choices: int = 1) -> Fit:
         """Whether ``reserve`` would get its blocks now; no side effect."""
@@ -266,6 +280,10 @@ class ReservationTable:
         blocks = shared + owned[: one - len(shared)]
         rest = owned[one - len(shared):]
         forks = [rest[i * per_fork: (i + 1) * per_fork] for i in range(choices - 1)]
+        rest = rest[(choices - 1) * per_fork:]
+        per_choice = len(rest) // choices    # windowed pool: each choice's rings (none on a dense pool)
+        rings = [self.pool.split_rings(rest[i * per_choice: (i + 1) * per_choice], self.pool.ring_blocks(prompt_tokens + max_tokens))
+                 for i in range(choices)] if self.pool.groups.windowed else []
         lease_end = min(deadline_s, time.monotonic() + self.max_lease_s)
         res = Reservation(
             request_id=request_id,
@@ -284,6 +302,7 @@ class ReservationTable:
             block_size=self.pool.block_size,
             state_slot=slot,
             forks=forks,
+            rings=rings,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -362,6 +381,9 @@ class ReservationTable:
         for i, fork in enumerate(res.forks):
             self.pool.free(fork, owner=owner)
             res.forks[i] = []
+        for i, rings in enumerate(res.rings):
+            self.pool.free([p for ring in rings for p in ring], owner=owner)
+            res.rings[i] = []
         self.pool.unref(res.blocks[: res.shared])
         if res.state_slot is not None:
             self.states.free(res.state_slot)
@@ -380,6 +402,9 @@ class ReservationTable:
         if index > 0:
             self.pool.free(res.forks[index - 1], owner=res.attempt.owner)
             res.forks[index - 1] = []
+            if res.rings:
+                self.pool.free([p for ring in res.rings[index] for p in ring], owner=res.attempt.owner)
+                res.rings[index] = []
         return True
 
     def release_lease(self, lease: Lease, reason: str = "", cache_tokens: int = 0) -> bool:

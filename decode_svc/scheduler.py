@@ -45,6 +45,9 @@ own; choices still waiting end with their prompt. The gateway may end a running 
 with ``ended_by_gateway`` set, at the next step boundary, while the other choices run on; such
 retirements are counted (``choices_retired_early``).
 
+Windowed pool: a sequence also writes its own ``rings`` (the sliding-window layers' last
+positions, ``runtime/model/kv_pool.py``); a fork gets a copy of its parent's rings.
+
 Prefix cache: a sequence's first ``shared`` blocks are cached KV it only reads (its
 reservation holds references on them; the lease check covers the rest). A colocated
 sequence whose reservation reused a cached prefix starts prefilling at ``prefilled =
@@ -107,6 +110,7 @@ class Sequence:
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
+    rings: list[list[int]] | None = None   # windowed pool: its own ring pages (sliding-window layers)
     state_slot: int | None = None      # hybrid decoders: its reservation's linear-attention state slot
     index: int = 0                     # its choice (n > 1): choices share one events queue, told apart by index
     forks: list["Sequence"] = field(default_factory=list)   # colocated choice 0: choices forked when its prompt is in
@@ -189,6 +193,9 @@ class DecodeScheduler:
         full, partial = divmod(child.prompt_len, self.pool.block_size)
         if partial:
             self.pool.copy_block(parent.blocks[full], child.blocks[full], owner=child.lease.owner)
+        for ring, own in zip(parent.rings or (), child.rings or ()):   # a ring is written by every step: copied whole
+            for src, dst in zip(ring, own):
+                self.pool.copy_block(src, dst, owner=child.lease.owner)
         self.insert(child, first)
 
     def _start_grammar(self, seq: Sequence) -> bool:
@@ -280,7 +287,7 @@ class DecodeScheduler:
 
     def _lease_lost(self, seq: Sequence) -> bool:
         """Retire ``seq`` (FINISHED_ABORTED) if its blocks no longer carry its lease's owner token."""
-        if self.pool.owns(seq.blocks[seq.shared:], seq.lease.owner):
+        if self.pool.owns(self.pool.owned_pages(seq.blocks[seq.shared:], seq.rings), seq.lease.owner):
             return False
         log.error("sequence %s lost its reservation %s (generation %d); retired unwritten",
                   seq.request_id, seq.reservation_id, seq.lease.generation)
@@ -339,9 +346,9 @@ class DecodeScheduler:
         if decoding:
             embeds = self.adapter.embed_tokens([s.output[-1] for s in decoding])
             items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta,
-                                 state_slot=s.state_slot) for i, s in enumerate(decoding)]
+                                 state_slot=s.state_slot, rings=s.rings) for i, s in enumerate(decoding)]
         for seq, start, end in chunks:
-            item = seq.prompt.item(start, end, seq.blocks)
+            item = seq.prompt.item(start, end, seq.blocks, rings=seq.rings)
             item.state_slot = seq.state_slot
             items.append(item)
         logits = self.adapter.forward_packed(self.pool, items, self.states)

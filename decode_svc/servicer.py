@@ -259,7 +259,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                          min(request.max_tokens or res.max_tokens, res.max_tokens), for_choice(sampling, i),
                          rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
                          prompt_ids=prompt_ids, events=events, shared=res.shared, index=i,
-                         state_slot=res.state_slot)
+                         state_slot=res.state_slot, rings=res.choice_rings(i))
                 for i in range(res.choices)]
         seq = seqs[0]
         seq.forks = seqs[1:] if request.colocated else []
@@ -466,6 +466,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             in_flight=self.table.active, running_seqs=self.scheduler.running_seqs,
             free_blocks=self.pool.available_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             free_state_slots=self.states.free_slots if self.states else 0,
+            ring_groups=self.pool.groups.window_groups, ring_blocks=self.pool.ring_blocks_max,
             total_state_slots=self.states.num_slots if self.states else 0,
             cached_blocks=self.pool.cached_blocks, prefix_cache=self.pool.prefix_cache,
             prefix_cache_queries_total=self.prefix.queries_total, prefix_cache_hits_total=self.prefix.hits_total,

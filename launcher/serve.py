@@ -86,6 +86,8 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
                    help="images one request may carry; more is a 400 before any work (EPD_LIMIT_IMAGES_PER_REQUEST)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=worker.prefix_cache,
                    help="decode workers keep no KV after a request ends (EPD_PREFIX_CACHE=false)")
+    p.add_argument("--no-sliding-window-kv", dest="sliding_window_kv", action="store_false", default=worker.sliding_window_kv,
+                   help="prefill and decode keep every position of a sliding-window layer (EPD_SLIDING_WINDOW_KV=false)")
     p.add_argument("--api-key", action="append", default=None,
                    help="an API key the gateway requires (repeatable; EPD_API_KEY, comma-separated)")
     p.add_argument("--log-format", choices=["text", "json"], default=gateway.log_format,
@@ -189,6 +191,8 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--bulk-port", str(worker.bulk_port + i)]
             if role == "decode" and not args.prefix_cache:
                 argv += ["--no-prefix-cache"]
+            if role in ("decode", "prefill") and not args.sliding_window_kv:
+                argv += ["--no-sliding-window-kv"]
             child_env = {"OMP_NUM_THREADS": str(worker_threads(role, addrs, args.device)), **env}
             specs.append(ChildSpec(role, address, argv, child_env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))

@@ -14,6 +14,8 @@ rope delta. A job's prompt is a ``PreparedPrompt`` (spliced embeddings, M-RoPE
 positions, DeepStack rows): each chunk is its ``item(start, end, blocks)``. On a model with
 sliding-window layers (``trim_sliding``, on by default) a chunk carries those layers' KV only
 from the prompt's ``KVLayout.window_from`` on: decode never reads older positions there.
+On a windowed pool (``EPD_SLIDING_WINDOW_KV``) a job's sliding layers live in rings sized
+for its own chunk (``longest_write``), and each chunk is read out before the next overwrites it.
 Scratch blocks are
 freed as soon as the last chunk has been read out, on every path (done, cancelled,
 failed).
@@ -52,6 +54,7 @@ class PrefillJob:
     sender: KVSender                 # frames and sends what this job's steps make ready
     prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
     blocks: list[int] | None = None
+    rings: list[list[int]] | None = None   # windowed pool: its sliding layers' rings (sized for its chunk)
     state_slot: int | None = None    # hybrid decoders: the linear layers' state, carried chunk to chunk
     next_start: int = 0
     chunk_index: int = 0
@@ -64,6 +67,11 @@ class PrefillJob:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def longest_write(self) -> int:
+        """The most positions one of its forwards writes: a chunk, or an image span kept whole."""
+        return max(self.chunk_tokens, self.prompt.longest_image_span)
 
 
 class PrefillScheduler:
@@ -83,7 +91,7 @@ class PrefillScheduler:
         self._task: asyncio.Task | None = None
 
     def submit(self, job: PrefillJob) -> None:
-        if self.pool.blocks_for(job.prompt_len) > self.pool.num_blocks:
+        if self.pool.pages_for(job.prompt_len, job.longest_write) > self.pool.num_blocks:
             raise ValueError(f"prompt of {job.prompt_len} tokens exceeds this prefill worker's scratch KV pool")
         self.waiting.append(job)
         self._wake.set()
@@ -129,10 +137,10 @@ class PrefillScheduler:
         for job in list(self.waiting):
             if self.states is not None and self.states.free_slots == 0:
                 break
-            blocks = self.pool.allocate(job.prompt_len)
-            if blocks is None:
+            got = self.pool.allocate_sequence(job.prompt_len, chunk=job.longest_write)
+            if got is None:
                 break  # FIFO: later prompts wait behind the first that does not fit
-            job.blocks = blocks
+            job.blocks, job.rings = got
             job.state_slot = None if self.states is None else self.states.allocate()
             self.waiting.remove(job)
             self.active.append(job)
@@ -165,7 +173,7 @@ class PrefillScheduler:
                 self._finish(job, None)
 
     def _forward(self, spans):
-        items = [job.prompt.item(s, e, job.blocks) for job, s, e in spans]
+        items = [job.prompt.item(s, e, job.blocks, rings=job.rings) for job, s, e in spans]
         for item, (job, _, _) in zip(items, spans):
             item.state_slot = job.state_slot
         logits = self.adapter.forward_packed(self.pool, items, self.states)
@@ -183,8 +191,8 @@ class PrefillScheduler:
         """The chunk's wire bytes: dense, or with sliding layers trimmed to the window decode needs."""
         sliding_from = self._sliding_from(job)
         if sliding_from <= start:
-            return self.pool.read(job.blocks, start, end)
-        return self.pool.read_wire(job.blocks, start, end, self.pool.layout.layer_from(start, end, sliding_from))
+            return self.pool.read(job.blocks, start, end, job.rings)
+        return self.pool.read_wire(job.blocks, start, end, self.pool.layout.layer_from(start, end, sliding_from), job.rings)
 
     def _sample_first(self, job: PrefillJob, logits: torch.Tensor) -> list[SampledToken]:
         """The first token of each of the request's ``n`` choices (no output yet; choice i samples with
@@ -206,8 +214,8 @@ class PrefillScheduler:
         if job in self.active:
             self.active.remove(job)
         if job.blocks is not None:
-            self.pool.free(job.blocks)
-            job.blocks = None
+            self.pool.free(self.pool.owned_pages(job.blocks, job.rings))
+            job.blocks = job.rings = None
         if job.state_slot is not None:
             self.states.free(job.state_slot)
             job.state_slot = None

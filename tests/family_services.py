@@ -127,15 +127,22 @@ async def orchestrator(stack: Stack, placement: str, chunk_tokens: int, check: L
 
 async def run(o: Orchestrator, stack: Stack, r: Request) -> tuple[list[int], str]:
     """One request through ``o``: its tokens and finish reason (the gateway's prompt must be the processor's)."""
+    (choice,) = await run_choices(o, stack, r, 1)
+    return choice
+
+
+async def run_choices(o: Orchestrator, stack: Stack, r: Request, n: int) -> list[tuple[list[int], str]]:
+    """``run`` with ``n`` greedy choices: each choice's tokens and finish reason, by index."""
     chat = ChatCompletionRequest.model_validate({"model": SERVED, "messages": r.messages})
     prompt = stack.builder.build_prompt(chat.messages, [im.image for im in r.images])
     assert prompt.token_ids == r.ids, "the gateway's prompt is the processor's"
     now = time.monotonic()
-    job = ChatJob(uuid.uuid4().hex, prompt.token_ids, r.images, MAX_TOKENS, SamplingParams(temperature=0.0),
+    job = ChatJob(uuid.uuid4().hex, prompt.token_ids, r.images, MAX_TOKENS, SamplingParams(temperature=0.0, n=n),
                   now + 60.0, 1000.0, now, image_grids=prompt.image_grids, rope_delta=prompt.rope_delta,
                   image_variants=prompt.image_variants)
-    tokens, finish = [], None
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
     async for ev in o.generate(job):
-        tokens += ev.token_ids
-        finish = ev.finish_reason or finish
-    return tokens, finish
+        tokens[ev.index] += ev.token_ids
+        finish[ev.index] = ev.finish_reason or finish[ev.index]
+    return list(zip(tokens, finish))

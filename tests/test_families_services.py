@@ -19,7 +19,7 @@ start-up ("multi-crop (anyres) image features", "multi-crop image splitting").
 from __future__ import annotations
 
 import pytest
-from family_services import Stack, family_stack, orchestrator, run
+from family_services import Stack, family_stack, orchestrator, run, run_choices
 from leaks import LeakCheck
 from qwen_vl_cases import image_runs
 
@@ -58,3 +58,33 @@ async def test_output_is_token_identical_to_generate(stack, leaks, placement, ch
         three = stack.requests["three-images"].ids
         runs = image_runs(three, stack.adapter.image_token_id)
         assert any(s < b < e for s, e in runs for b in range(chunk_tokens, len(three), chunk_tokens))
+
+
+async def test_gemma3_decode_keeps_the_window_only(stack, leaks):
+    """Gemma 3's decode worker keeps its sliding layers in rings (``EPD_SLIDING_WINDOW_KV`` on by default):
+    it reports them, has no prefix cache, and a long prompt's reservation takes fewer blocks than dense."""
+    if stack.adapter.family.name != "Gemma 3":
+        pytest.skip("the sliding-window pool is Gemma 3's")
+    from runtime.policy.placement_policy import kv_blocks_needed
+
+    stats = leaks._stats("decode", stack.worker("decode"))
+    assert stats.ring_groups >= 1 and stats.ring_blocks >= 1 and not stats.prefix_cache
+    prompt, new = 4000, 16
+    dense_pages = -(-(prompt + new) // stats.block_size)
+    windowed = kv_blocks_needed(prompt, new, 1, stats.block_size, stats.ring_groups, stats.ring_blocks)
+    layout = stack.adapter.kv_layout
+    full_layers = layout.layers - len(layout.sliding_layers)
+    # bytes: a windowed page holds the full layers only; dense pages hold every layer
+    assert windowed * full_layers < dense_pages * layout.layers / 2
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+async def test_gemma3_choices_fork_their_rings(stack, leaks, placement):
+    """n = 2 greedy on Gemma 3: each choice forks the prompt's KV, its own copy of the rings included
+    (a ring is written by every step, so sharing one would mix the choices): two copies of generate()."""
+    if stack.adapter.family.name != "Gemma 3":
+        pytest.skip("the sliding-window pool is Gemma 3's")
+    async with orchestrator(stack, placement, 7, leaks) as o:
+        for name in ("one-image", "three-images"):
+            r = stack.requests[name]
+            assert await run_choices(o, stack, r, 2) == [(r.expected, r.finish)] * 2, name

@@ -8,7 +8,11 @@ layout that every kernel in ``attention_kernels`` shares:
   group's longest (padding points at row 0 and is never written back);
 * ``block_table [B, N]``: the blocks holding each sequence's context (positions
   ``0..ctx_len-1``), padded with block 0; the context of sequence ``b`` is the first
-  ``ctx_lens[b]`` slots of its blocks laid end to end (``S = N * block_size``);
+  ``ctx_lens[b]`` slots of its blocks laid end to end (``S = N * block_size``). On a
+  windowed pool (``kv_pool``: sliding layers kept in rings) ``tables[g]`` is page group
+  ``g``'s table in the same layout: group 0 is ``block_table``, a ring group's logical
+  block ``j`` is ``ring[j % len(ring)]`` (a page repeats; the positions it no longer
+  holds are outside the window, so the window mask hides them);
 * ``ctx_lens [B]``, ``q_starts [B]`` (= ``ctx_len - q_len``: the new tokens are the
   context's tail), and ``mask [B, 1, Q, S]``: key ``s`` is visible to query ``i`` of
   sequence ``b`` when ``s <= q_limits[b, i]`` and ``s < ctx_lens[b]``. ``q_limits`` is the
@@ -40,7 +44,7 @@ class AttentionGroup:
     q_index: torch.Tensor      # [B, Q] long
     q_valid: torch.Tensor      # [B, Q] bool
     out_index: torch.Tensor    # [valid] long: packed rows of q_index[q_valid]
-    block_table: torch.Tensor  # [B, N] long
+    tables: list[torch.Tensor]  # per page group [B, N] long (group 0: the block table; then the rings)
     ctx_lens: torch.Tensor     # [B] long
     q_starts: torch.Tensor     # [B] long
     mask: torch.Tensor | None  # [B, 1, Q, S] bool; None when B == 1, the chunk is the whole context and causal
@@ -48,8 +52,12 @@ class AttentionGroup:
     q_limits: torch.Tensor     # [B, Q] long: the last key position each query sees (its position when causal)
     max_ctx: int               # the longest context (keys past it are never visible)
     block_size: int
-    one_run_start: int | None = None  # B == 1 with consecutive blocks: first block of its context (no gather)
-    kernel_state: dict[str, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
+    one_runs: list[int | None] = field(default_factory=list)  # per group, B == 1 with consecutive pages: the first (no gather)
+    kernel_state: dict[Any, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.tables[0]
 
     @property
     def size(self) -> int:
@@ -67,7 +75,7 @@ class AttentionGroup:
         key = ("window", window)
         mask = self.kernel_state.get(key)
         if mask is None:
-            keys = torch.arange(self.block_table.shape[1] * self.block_size, device=self.q_limits.device)
+            keys = torch.arange(self.tables[0].shape[1] * self.block_size, device=self.q_limits.device)
             mask = _visible(keys, self.q_limits, self.ctx_lens)
             mask &= keys[None, None, :] > (self.q_positions - window)[:, :, None]
             mask = self.kernel_state[key] = mask.unsqueeze(1)
@@ -79,21 +87,42 @@ def _visible(keys: torch.Tensor, q_limits: torch.Tensor, ctx: torch.Tensor) -> t
     return (keys[None, None, :] <= q_limits[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
 
 
+def _table(block_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], n_blocks: int, block_size: int,
+           ring: bool) -> torch.Tensor:
+    """``[B, n_blocks]``: each sequence's first blocks of its context (a ring repeats its pages)."""
+    table = torch.zeros(len(ctx_lens), n_blocks, dtype=torch.long)
+    for i, (blocks, c) in enumerate(zip(block_tables, ctx_lens)):
+        need = -(-c // block_size)
+        if ring:
+            if not blocks:
+                raise ValueError(f"sequence {i}: an empty ring")
+            table[i, :need] = torch.as_tensor(list(blocks), dtype=torch.long)[torch.arange(need) % len(blocks)]
+            continue
+        if len(blocks) < need:
+            raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold a context of {c} tokens")
+        table[i, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
+    return table
+
+
+def _one_run(table: torch.Tensor, ctx_len: int, block_size: int) -> int | None:
+    first = table[0, : -(-ctx_len // block_size)]
+    return int(first[0]) if bool((first[1:] - first[:-1] == 1).all()) else None
+
+
 def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
                 block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device,
-                key_limits: Sequence[torch.Tensor | None] | None = None) -> AttentionGroup:
+                key_limits: Sequence[torch.Tensor | None] | None = None,
+                rings: Sequence[Sequence[Sequence[int]]] | None = None) -> AttentionGroup:
     """One group from per-sequence facts (all lists of the same length B >= 1). ``key_limits[b]``,
-    when given and not ``None``: ``[q_len]`` absolute positions, the last key each new token sees."""
+    when given and not ``None``: ``[q_len]`` absolute positions, the last key each new token sees.
+    ``rings[b]``: sequence ``b``'s rings on a windowed pool (one per ring group)."""
     b = len(q_offsets)
     max_q = max(q_lens)
     max_ctx = max(ctx_lens)
     n_blocks = max(-(-c // block_size) for c in ctx_lens)
-    table = torch.zeros(b, n_blocks, dtype=torch.long)
-    for i, (blocks, c) in enumerate(zip(block_tables, ctx_lens)):
-        need = -(-c // block_size)
-        if len(blocks) < need:
-            raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold a context of {c} tokens")
-        table[i, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
+    tables = [_table(block_tables, ctx_lens, n_blocks, block_size, ring=False)]
+    for g in range(len(rings[0]) if rings else 0):
+        tables.append(_table([r[g] for r in rings], ctx_lens, n_blocks, block_size, ring=True))
     offsets = torch.as_tensor(list(q_offsets), dtype=torch.long)
     lens = torch.as_tensor(list(q_lens), dtype=torch.long)
     ctx = torch.as_tensor(list(ctx_lens), dtype=torch.long)
@@ -112,21 +141,18 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
     if bidirectional or not (b == 1 and q_lens[0] == ctx_lens[0] and q_lens[0] > 1):
         keys = torch.arange(n_blocks * block_size)
         mask = _visible(keys, q_limits, ctx).unsqueeze(1).to(device)                # [B, 1, Q, S]
-    one_run = None
-    if b == 1:
-        first = table[0, : -(-ctx_lens[0] // block_size)]
-        if bool((first[1:] - first[:-1] == 1).all()):
-            one_run = int(first[0])
+    one_runs = [_one_run(t, ctx_lens[0], block_size) if b == 1 else None for t in tables]
     return AttentionGroup(
         q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
-        block_table=table.to(device), ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
-        q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, one_run_start=one_run,
+        tables=[t.to(device) for t in tables], ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
+        q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, one_runs=one_runs,
     )
 
 
 def build_groups(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequence[int],
                  block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device,
-                 key_limits: Sequence[torch.Tensor | None] | None = None) -> list[AttentionGroup]:
+                 key_limits: Sequence[torch.Tensor | None] | None = None,
+                 rings: Sequence[Sequence[Sequence[int]]] | None = None) -> list[AttentionGroup]:
     """The decodes (q_len 1) as one group and the prompt chunks as another; empty groups left out."""
     groups = []
     limits = list(key_limits) if key_limits is not None else [None] * len(q_lens)
@@ -134,5 +160,6 @@ def build_groups(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Sequ
         idx = [i for i, q in enumerate(q_lens) if (q == 1) == want_decode]
         if idx:
             groups.append(build_group([q_offsets[i] for i in idx], [q_lens[i] for i in idx], [ctx_lens[i] for i in idx],
-                                      [block_tables[i] for i in idx], block_size, device, [limits[i] for i in idx]))
+                                      [block_tables[i] for i in idx], block_size, device, [limits[i] for i in idx],
+                                      [rings[i] for i in idx] if rings else None))
     return groups

@@ -51,15 +51,17 @@ def select_kernel(device: torch.device | str, requested: str = "auto") -> str:
     return requested
 
 
-def gather_context(pool_blocks: torch.Tensor, group: AttentionGroup, dtype: torch.dtype, which: str) -> torch.Tensor:
-    """``[B, KVH, S, D]``: each sequence's blocks laid end to end (one block-wise index copy into a
-    buffer the group reuses for every layer of the forward: ``which`` is ``"k"`` or ``"v"``)."""
-    b, n = group.block_table.shape
-    if group.one_run_start is not None:   # one sequence in adjacent blocks: a view of the pool, no copy
-        ctx = pool_blocks[group.one_run_start: group.one_run_start + n].flatten(0, 1)[: group.max_ctx]
+def gather_context(pool_blocks: torch.Tensor, group: AttentionGroup, dtype: torch.dtype, which: str,
+                   table: int = 0) -> torch.Tensor:
+    """``[B, KVH, S, D]``: each sequence's blocks of page group ``table`` laid end to end (one block-wise
+    index copy into a buffer the group reuses for every layer of the forward: ``which`` is ``"k"`` or ``"v"``)."""
+    b, n = group.tables[table].shape
+    first = group.one_runs[table] if group.one_runs else None
+    if first is not None:   # one sequence in adjacent blocks: a view of the pool, no copy
+        ctx = pool_blocks[first: first + n].flatten(0, 1)[: group.max_ctx]
         return ctx.transpose(0, 1).unsqueeze(0).to(dtype)
-    index = group.block_table.view(-1)
-    buf = group.kernel_state.get(which)
+    index = group.tables[table].view(-1)
+    buf = group.kernel_state.get(which)   # one buffer per K / V: every group's tables have the same shape
     if buf is None:
         buf = group.kernel_state[which] = pool_blocks.new_empty((b * n, *pool_blocks.shape[1:]))
     ctx = torch.index_select(pool_blocks, 0, index, out=buf)       # [B*N, bs, KVH, D]
@@ -116,15 +118,15 @@ def flex(q, k, v, group: AttentionGroup, scaling: float | None, window: int | No
 
 
 def attend(kernel: str, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-           groups: list[AttentionGroup], scaling: float | None, window: int | None = None) -> torch.Tensor:
+           groups: list[AttentionGroup], scaling: float | None, window: int | None = None, table: int = 0) -> torch.Tensor:
     """``[T, H, D]``: every group's queries attended in one call each, scattered back to packed rows
-    (``window``: the layer's sliding window, ``None`` for full attention)."""
+    (``window``: the layer's sliding window, ``None`` for full attention; ``table``: the layer's page group)."""
     fn = flex if kernel == "flex_attention" else sdpa_padded
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     for group in groups:
         q = group_queries(query, group)
-        k = gather_context(k_blocks, group, q.dtype, "k")
-        v = gather_context(v_blocks, group, q.dtype, "v")
+        k = gather_context(k_blocks, group, q.dtype, "k", table)
+        v = gather_context(v_blocks, group, q.dtype, "v", table)
         o = fn(q, k, v, group, scaling, window).transpose(1, 2)            # [B, Q, H, D]
         out[group.out_index] = o[group.q_valid]
     return out

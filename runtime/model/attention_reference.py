@@ -23,15 +23,17 @@ def _context(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def attend_loop(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: list[SequenceSpan],
-                scaling: float | None, window: int | None = None) -> torch.Tensor:
+                scaling: float | None, window: int | None = None, group: int = 0) -> torch.Tensor:
     """``[T, H, D]``; ``k_pool``/``v_pool`` are flat ``[slots, KVH, D]``. A query at position ``p``
     sees key ``s`` when ``s <= p`` (or ``s <= key_limit``, a bidirectional image span) and, on a
-    sliding layer (``window``), ``s > p - window``."""
+    sliding layer (``window``), ``s > p - window``. ``group``: the layer's page group (0, or a ring
+    group of a windowed pool, whose runs repeat pages the window mask then hides)."""
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     for span in spans:
         q = query[:, :, span.q_offset: span.q_offset + span.q_len]          # [1, H, q, D]
-        k = _context(k_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
-        v = _context(v_pool, span.context_runs).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        runs = span.context_runs if group == 0 else span.ring_runs[group - 1]
+        k = _context(k_pool, runs).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
+        v = _context(v_pool, runs).transpose(0, 1).unsqueeze(0).to(q.dtype)
         ctx_len = k.shape[2]
         windowed = window is not None and ctx_len > window
         if span.key_limit is None and not windowed and span.q_len == 1:

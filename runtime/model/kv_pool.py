@@ -24,13 +24,19 @@ Sliding-window layers (Gemma 3; ``KVLayout.sliding_layers``, ``sliding_window`` 
 query at position ``p`` of such a layer reads no key before ``p - W + 1``, so after a
 prompt of ``n`` tokens decode needs those layers' KV only from ``window_from(n) =
 n - W + 1`` on. The handoff sends no more (``*_wire`` and ``host_views`` with
-``layer_from``: per layer, the first position carried). Choice: every layer keeps one
-slot per position in the pool (a block holds all layers, so a block cannot be freed for
-some layers only); a sliding layer's slots before ``window_from`` stay unwritten on the
-receiving side and are never read, because the mask excludes them. The saving is on the
-wire, not in the pool, and so the reservation size is unchanged; such a sequence's
-blocks are never handed to the prefix cache (a later prompt's chunks would read
-positions its sliding layers lack).
+``layer_from``: per layer, the first position carried). With ``window_chunk`` set (the
+longest run of new positions one forward writes for a sequence: the prompt chunk, or
+an image span the chunker keeps whole) the pool keeps no more either: its pages are
+grouped (``kv_layout.PageGroups``), the full-attention layers in group 0 with the
+sequence's block table ``blocks``, the sliding layers in ring groups, each with a ring
+of ``ring_blocks(tokens, chunk)`` pages (``rings``, one list per ring group). Position
+``p`` of a ring lives in page ``ring[(p // block_size) % len(ring)]``. Invariant: a
+ring holds ``len(ring) * block_size >= W + chunk - 1`` positions (or every position of
+the sequence), so the positions a forward reads (its chunk and the ``W - 1`` before
+it) never share a slot, and a slot holds its newest position; older positions of the
+ring's pages are masked by the window and never read. Every method that addresses a
+sequence takes its ``rings`` beside ``blocks``; a windowed pool's prefix cache is off
+(a cached prefix would lack its sliding layers' older KV).
 
 Prefix cache (``prefix_cache=True``): a block is FREE, OWNED (one owner token, writable)
 or CACHED (tag ``CACHED``: immutable KV under a key, ``runtime/model/prefix_keys.py``,
@@ -48,51 +54,12 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
-
 import torch
 
+from runtime.model.kv_layout import KVLayout, PageGroups
+from runtime.model.kv_pool_io import KVPoolIO, Rings
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What one token's KV looks like; also the cache-format part of the fingerprint."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    sliding_layers: tuple[int, ...] = ()   # layers with a sliding window (the rest attend to every position)
-    sliding_window: int | None = None      # W: a sliding layer at position p reads keys p-W+1..p
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def layer_token_bytes(self) -> int:
-        """One layer's K and V of one position."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    def describe(self) -> str:
-        base = f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
-        if self.sliding_layers:
-            base += f":W{self.sliding_window}@{','.join(map(str, self.sliding_layers))}"
-        return base
-
-    def window_from(self, prompt_tokens: int) -> int:
-        """The first position a sliding layer's KV is needed from once ``prompt_tokens`` are in (0: all)."""
-        if not self.sliding_layers or self.sliding_window is None:
-            return 0
-        return max(0, prompt_tokens - self.sliding_window + 1)
-
-    def layer_from(self, start: int, end: int, sliding_from: int) -> list[int]:
-        """Per layer, the first position of ``start..end`` carried when sliding layers start at ``sliding_from``."""
-        sliding = set(self.sliding_layers)
-        return [min(end, max(start, sliding_from)) if layer in sliding else start for layer in range(self.layers)]
-
-    def wire_bytes(self, start: int, end: int, sliding_from: int = 0) -> int:
-        """Bytes of positions ``start..end`` on the wire (sliding layers from ``sliding_from``)."""
-        return sum(end - f for f in self.layer_from(start, end, sliding_from)) * self.layer_token_bytes
+__all__ = ["CACHED", "FREE", "KVBlockPool", "KVLayout", "PageGroups", "Rings", "StaleBlocksError"]
 
 
 FREE = 0   # the owner token of a free block; issued tokens start at 1
@@ -103,18 +70,21 @@ class StaleBlocksError(RuntimeError):
     """A write, view or free named blocks that no longer belong to the caller's owner token."""
 
 
-class KVBlockPool:
+class KVBlockPool(KVPoolIO):
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int = 16, device: str | torch.device = "cpu",
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, window_chunk: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(
-            (layout.layers, 2, num_blocks, block_size, layout.kv_heads, layout.head_dim), dtype=layout.dtype, device=device
-        )
-        self._flat = self.kv.view(layout.layers, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
+        self.groups = PageGroups.for_layout(layout, window_chunk is not None)
+        self.window_chunk = window_chunk if self.groups.windowed else None
+        if self.groups.windowed and prefix_cache:
+            raise ValueError("a pool that keeps only the sliding window cannot cache prefixes")
+        g = self.groups.page_layers
+        self.kv = torch.zeros((g, 2, num_blocks, block_size, layout.kv_heads, layout.head_dim), dtype=layout.dtype, device=device)
+        self._flat = self.kv.view(g, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owner = [FREE] * num_blocks      # owner token per block
         self._tokens = itertools.count(FREE + 1)
@@ -128,11 +98,17 @@ class KVBlockPool:
 
     @classmethod
     def from_memory_budget(cls, layout: KVLayout, budget_bytes: int, block_size: int = 16, device="cpu",
-                           prefix_cache: bool = False) -> "KVBlockPool":
-        num_blocks = budget_bytes // (layout.bytes_per_token * block_size)
+                           prefix_cache: bool = False, window_chunk: int | None = None) -> "KVBlockPool":
+        page = PageGroups.for_layout(layout, window_chunk is not None).page_layers * layout.layer_token_bytes * block_size
+        num_blocks = budget_bytes // page
         if num_blocks < 1:
-            raise ValueError(f"KV memory budget {budget_bytes} B is smaller than one block ({layout.bytes_per_token * block_size} B)")
-        return cls(layout, int(num_blocks), block_size, device, prefix_cache)
+            raise ValueError(f"KV memory budget {budget_bytes} B is smaller than one block ({page} B)")
+        return cls(layout, int(num_blocks), block_size, device, prefix_cache, window_chunk)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block (page): ``page_layers`` layers' K and V of ``block_size`` positions."""
+        return self.groups.page_layers * self.layout.layer_token_bytes * self.block_size
 
     # -- capacity ---------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -153,9 +129,43 @@ class KVBlockPool:
         """What an allocation can take now: FREE blocks plus unreferenced CACHED ones (evicted on demand)."""
         return len(self._free) + len(self._lru)
 
+    def ring_blocks(self, tokens: int, chunk: int | None = None) -> int:
+        """Pages of one ring of a ``tokens``-position sequence whose forwards write at most ``chunk``
+        (default ``window_chunk``) new positions: enough for ``W + chunk - 1`` positions, never more
+        than the sequence has (0 on a dense pool)."""
+        if not self.groups.windowed:
+            return 0
+        chunk = self.window_chunk if chunk is None else chunk
+        return min(self.blocks_for(tokens), self.blocks_for(self.layout.sliding_window + chunk - 1))
+
+    @property
+    def ring_blocks_max(self) -> int:
+        """The most pages one ring of this pool's sequences holds (0 on a dense pool)."""
+        return self.ring_blocks(1 << 40)
+
+    def pages_for(self, tokens: int, chunk: int | None = None) -> int:
+        """Every page one sequence of ``tokens`` positions holds: its block table and its rings."""
+        return self.blocks_for(tokens) + self.groups.window_groups * self.ring_blocks(tokens, chunk)
+
+    def split_rings(self, pages: list[int], per_ring: int) -> Rings:
+        """``window_groups`` rings of ``per_ring`` pages each, from ``pages`` (exactly that many)."""
+        if len(pages) != self.groups.window_groups * per_ring:
+            raise ValueError(f"{len(pages)} pages for {self.groups.window_groups} rings of {per_ring}")
+        return [pages[i * per_ring: (i + 1) * per_ring] for i in range(self.groups.window_groups)]
+
+    def allocate_sequence(self, tokens: int, owner: int | None = None,
+                          chunk: int | None = None) -> tuple[list[int], Rings] | None:
+        """A block table and rings for ``tokens`` positions under one owner token (``None``: no room)."""
+        per_ring = self.ring_blocks(tokens, chunk)
+        pages = self.allocate_blocks(self.pages_for(tokens, chunk), owner)
+        if pages is None:
+            return None
+        n = self.blocks_for(tokens)
+        return pages[:n], self.split_rings(pages[n:], per_ring)
+
     def can_allocate(self, tokens: int) -> bool:
         """Side-effect free probe."""
-        return self.blocks_for(tokens) <= self.available_blocks
+        return self.pages_for(tokens) <= self.available_blocks
 
     def new_token(self) -> int:
         """A fresh owner token, never issued before by this pool."""
@@ -275,114 +285,3 @@ class KVBlockPool:
         self.check_owner(blocks, old, "retag")
         for b in blocks:
             self._owner[b] = new
-
-    # -- addressing -------------------------------------------------------------
-    def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of positions ``start..end-1`` in a sequence with block table ``blocks``."""
-        if end > len(blocks) * self.block_size or start < 0 or end < start:
-            raise IndexError(f"positions {start}..{end} outside {len(blocks)} blocks of {self.block_size}")
-        pos = torch.arange(start, end)
-        table = torch.tensor(blocks, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv.device)
-
-    def runs(self, blocks: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
-        """``(position, slot, length)`` runs where consecutive positions sit in consecutive slots.
-
-        Blocks are handed out low ids first, so a sequence's blocks are mostly
-        adjacent and a whole chunk is usually one or a few runs: landing it is a
-        few plain strided copies instead of a gather/scatter per token.
-        """
-        if end > len(blocks) * self.block_size or start < 0 or end < start:
-            raise IndexError(f"positions {start}..{end} outside {len(blocks)} blocks of {self.block_size}")
-        out: list[tuple[int, int, int]] = []
-        pos = start
-        while pos < end:
-            b, off = divmod(pos, self.block_size)
-            length = min(self.block_size - off, end - pos)
-            slot = blocks[b] * self.block_size + off
-            if out and out[-1][1] + out[-1][2] == slot:
-                p0, s0, l0 = out[-1]
-                out[-1] = (p0, s0, l0 + length)
-            else:
-                out.append((pos, slot, length))
-            pos += length
-        return out
-
-    def write(self, blocks: list[int], start: int, chunk: torch.Tensor, *, owner: int) -> None:
-        """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``,
-        only while ``blocks`` belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
-        self.check_owner(blocks, owner)
-        chunk = chunk.to(self.kv.device, self.kv.dtype)
-        for pos, slot, length in self.runs(blocks, start, start + chunk.shape[2]):
-            self._flat[:, :, slot: slot + length] = chunk[:, :, pos - start: pos - start + length]
-
-    @property
-    def host_resident(self) -> bool:
-        """Whether the pool lives in host memory, so sockets can write into it directly."""
-        return self.kv.device.type == "cpu"
-
-    def host_views(self, blocks: list[int], start: int, end: int, *, owner: int,
-                   layer_from: list[int] | None = None) -> list[memoryview] | None:
-        """Writable byte views of positions ``start..end``, in wire order, or ``None`` off the CPU.
-
-        Concatenated, the views are exactly a wire chunk ``[layers, 2, n, kv_heads, head_dim]``:
-        for each layer, K then V, each run of adjacent slots (with ``layer_from``, layer ``l``'s
-        positions ``layer_from[l]..end`` only: the trimmed wire form, see the module doc). A socket can ``recv_into`` them
-        one after another, so the bytes of a chunk land in the pool with no staging copy.
-        Handed out only while ``blocks`` belong to ``owner`` (``StaleBlocksError`` otherwise).
-        The views alias the pool: the caller must stop writing once the blocks change owner
-        (check ``owns`` before each write into them, as the bulk receiver does before each read).
-        """
-        if not self.host_resident:
-            return None
-        self.check_owner(blocks, owner, "host view")
-        as_bytes = self._flat.view(torch.uint8)
-        if layer_from is None:
-            runs = self.runs(blocks, start, end)
-            return [
-                memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
-                for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs
-            ]
-        runs_from = {f: self.runs(blocks, f, end) for f in set(layer_from)}
-        return [
-            memoryview(as_bytes[layer, kv, slot: slot + length].numpy()).cast("B")
-            for layer in range(self.layout.layers) for kv in (0, 1) for _, slot, length in runs_from[layer_from[layer]]
-        ]
-
-    def read_wire(self, blocks: list[int], start: int, end: int, layer_from: list[int]) -> torch.Tensor:
-        """Positions ``start..end`` in the trimmed wire form (flat bytes; layer ``l`` from ``layer_from[l]``)."""
-        out = []   # per layer its K positions then its V positions: the order host_views gives
-        for layer, first in enumerate(layer_from):
-            piece = self._flat.new_empty((2, end - first, self.layout.kv_heads, self.layout.head_dim))
-            for pos, slot, length in self.runs(blocks, first, end):
-                piece[:, pos - first: pos - first + length] = self._flat[layer, :, slot: slot + length]
-            out.append(piece.reshape(-1))
-        return torch.cat(out).view(torch.uint8)
-
-    def write_wire(self, blocks: list[int], start: int, end: int, payload: torch.Tensor, layer_from: list[int], *,
-                   owner: int) -> None:
-        """Land ``read_wire``'s form (flat ``uint8``) of positions ``start..end``, only while ``blocks``
-        belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
-        self.check_owner(blocks, owner)
-        values = payload.to(self.kv.device).view(self.kv.dtype)
-        per_pos = self.layout.kv_heads * self.layout.head_dim
-        cursor = 0
-        for layer, first in enumerate(layer_from):
-            n = end - first
-            piece = values[cursor: cursor + 2 * n * per_pos].view(2, n, self.layout.kv_heads, self.layout.head_dim)
-            cursor += 2 * n * per_pos
-            for pos, slot, length in self.runs(blocks, first, end):
-                self._flat[layer, :, slot: slot + length] = piece[:, pos - first: pos - first + length]
-
-    def copy_block(self, src: int, dst: int, *, owner: int) -> None:
-        """Copy block ``src``'s KV (every layer, K and V) into ``dst``, only while ``dst`` belongs to
-        ``owner`` (``StaleBlocksError`` otherwise): a forked sequence's own copy of a shared partial block."""
-        self.check_owner([dst], owner, "copy")
-        self.kv[:, :, dst] = self.kv[:, :, src]
-
-    def read(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
-        """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""
-        out = self.kv.new_empty((self.layout.layers, 2, end - start, self.layout.kv_heads, self.layout.head_dim))
-        for pos, slot, length in self.runs(blocks, start, end):
-            out[:, :, pos - start: pos - start + length] = self._flat[:, :, slot: slot + length]
-        return out

@@ -72,6 +72,7 @@ class DecodeInput:
     prompt_ids: Sequence[int] = ()  # what the sampling reads of the sequence (penalties): the prompt's ids
     output_ids: Sequence[int] = ()  # and the tokens emitted so far (``token_id`` included)
     state_slot: int | None = None   # hybrid decoders: the sequence's state slot (holding the state at ``position``)
+    rings: list[list[int]] | None = None   # windowed pool: the sequence's ring pages (kv_pool)
 
 
 class VLMAdapter:
@@ -186,6 +187,11 @@ class VLMAdapter:
         embeddings = self.family.encode_pixels(self.model, pixel_values.to(self.device, self.kv_layout.dtype))
         return [self.family.to_tensor(e) for e in embeddings]
 
+    @property
+    def longest_image_span(self) -> int:
+        """The longest bidirectional image run a prompt can have (0: causal images): a chunk grows to it."""
+        return self.family.longest_image_span(self.processor)
+
     def image_tokens(self, width: int, height: int, variant: str = families.SINGLE_LAYOUT) -> int:
         """Placeholder tokens of an image of this size in layout variant ``variant``: the processor's own rule."""
         return self.family.variant_image_tokens(self.processor, width, height, variant)
@@ -269,7 +275,8 @@ class VLMAdapter:
         """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
         item's state slot: ``states``); return last-token logits."""
         row = pack(pool, items, self.family.position_kind, self.device)
-        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel)
+        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
+                           pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)
         if row.deepstack is not None:
             extra.update(visual_pos_masks=row.visual_mask, deepstack_visual_embeds=row.deepstack)
@@ -311,28 +318,31 @@ class VLMAdapter:
         prompt = self.prepare(token_ids, image_embeddings)
         n = len(prompt)
         pool = pool or KVBlockPool(self.kv_layout, num_blocks=-(-n // 16), block_size=16, device=self.device)
-        blocks = pool.allocate(n)
-        if blocks is None:  # a capacity problem of this worker, not the client's mistake
+        chunk = max(chunk_size, prompt.longest_image_span)   # what one forward may write (chunk_end keeps spans whole)
+        got = pool.allocate_sequence(n, chunk=chunk)
+        if got is None:  # a capacity problem of this worker, not the client's mistake
             raise MemoryError(f"prompt of {n} tokens does not fit the free KV blocks ({pool.free_blocks} free)")
+        blocks, rings = got
+        pages = pool.owned_pages(blocks, rings)
         states = states if states is not None or not self.hybrid else self.new_state_slots(1)
         slot = states.allocate() if self.hybrid else None
         if self.hybrid and slot is None:
-            pool.free(blocks)
+            pool.free(pages)
             raise MemoryError("no free state slot for the prompt's linear-attention state")
         try:
             index, start = 0, 0
             while start < n:
                 end = prompt.chunk_end(start, chunk_size)   # never inside a bidirectional image span
-                item = prompt.item(start, end, blocks)
+                item = prompt.item(start, end, blocks, rings=rings)
                 item.state_slot = slot
                 (logits,) = self.forward_packed(pool, [item], states)
                 state = states.read(slot) if slot is not None and end == n else None
-                yield KVChunk(index, start, end, pool.read(blocks, start, end).clone(), state)
+                yield KVChunk(index, start, end, pool.read(blocks, start, end, rings).clone(), state)
                 index, start = index + 1, end
             first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
             yield FirstToken(first.token_id, prompt.rope_delta, first)
         finally:
-            pool.free(blocks)
+            pool.free(pages)
             if slot is not None:
                 states.free(slot)
 
@@ -344,8 +354,8 @@ class VLMAdapter:
                       states: StateSlotPool | None = None) -> list[SampledToken]:
         """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
         embeds = self.embed_tokens([b.token_id for b in batch])
-        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot)
-                 for i, b in enumerate(batch)]
+        items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot,
+                            rings=b.rings) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items, states)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]

@@ -58,6 +58,7 @@ class PackedItem:
     deepstack: DeepStackShare | None = None
     key_limits: torch.Tensor | None = None  # [q_len] long: bidirectional image spans (None: causal)
     state_slot: int | None = None           # hybrid decoders: the sequence's state slot (linear_attention)
+    rings: list[list[int]] | None = None    # windowed pool: the sequence's ring pages per ring group (kv_pool)
 
     @property
     def q_len(self) -> int:
@@ -73,6 +74,7 @@ class PackedRow:
     visual_mask: torch.Tensor | None     # [1, T] bool: tokens that receive DeepStack features
     deepstack: list[torch.Tensor] | None  # per level [visual_mask.sum(), hidden]
     groups: list[AttentionGroup]         # decodes and prompt chunks, one batched attention call each
+    ring_slot_mappings: list[torch.Tensor]  # windowed pool: per ring group, as slot_mapping
 
 
 def item_positions(item: PackedItem, kind: PositionKind) -> torch.Tensor:
@@ -92,16 +94,25 @@ def item_positions(item: PackedItem, kind: PositionKind) -> torch.Tensor:
     return (seq + item.rope_delta)[None].expand(3, -1)
 
 
+def _new_slots(context: list[tuple[int, int, int]], start: int, out: list[int]) -> None:
+    """The new tokens' own slots (positions ``start..``): the context's tail."""
+    for pos, slot, length in context:
+        if pos + length > start:
+            out.extend(range(slot + max(0, start - pos), slot + length))
+
+
 def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, device: torch.device) -> PackedRow:
     spans, new_slots, positions, offset = [], [], [], 0
+    ring_slots: list[list[int]] = [[] for _ in range(pool.groups.window_groups)]
     masks, levels, any_deepstack = [], [], False
     for item in items:
         q_len, end = item.q_len, item.start + item.q_len
-        context = pool.runs(item.blocks, 0, end)
-        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits))
-        for pos, slot, length in context:   # the new tokens' own slots: the context's tail
-            if pos + length > item.start:
-                new_slots.extend(range(slot + max(0, item.start - pos), slot + length))
+        context, *rings = pool.group_runs(item.blocks, item.rings, 0, end)
+        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits,
+                                  [[(slot, length) for _, slot, length in ring] for ring in rings]))
+        _new_slots(context, item.start, new_slots)
+        for ring, out in zip(rings, ring_slots):
+            _new_slots(ring, item.start, out)
         positions.append(item_positions(item, kind))
         if item.deepstack is not None and item.deepstack.levels.shape[1]:
             any_deepstack = True
@@ -120,5 +131,7 @@ def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, dev
         deepstack = list(stacked.unbind(0))
     slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=device)
     groups = build_groups([s.q_offset for s in spans], [s.q_len for s in spans], [i.start + i.q_len for i in items],
-                          [i.blocks for i in items], pool.block_size, device, [i.key_limits for i in items])
-    return PackedRow(embeds, position_ids, slot_mapping, spans, visual_mask, deepstack, groups)
+                          [i.blocks for i in items], pool.block_size, device, [i.key_limits for i in items],
+                          [i.rings for i in items] if pool.groups.windowed else None)
+    ring_mappings = [torch.tensor(slots, dtype=torch.long, device=device) for slots in ring_slots]
+    return PackedRow(embeds, position_ids, slot_mapping, spans, visual_mask, deepstack, groups, ring_mappings)

@@ -44,16 +44,18 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query [1, H, T, D]; key/value [1, KVH, T, D] (RoPE already applied)
     layer = getattr(module, "epd_kv_layer", module.layer_idx)   # hybrid decoders: the pool holds attention layers only
+    group, slot = batch.home(layer)     # a windowed pool keeps sliding layers in ring pages (kv_pool)
     kv_heads, head_dim = key.shape[1], key.shape[3]
-    k_blocks, v_blocks = batch.kv[layer, 0], batch.kv[layer, 1]       # [blocks, block_size, KVH, D]
+    k_blocks, v_blocks = batch.kv[slot, 0], batch.kv[slot, 1]       # [blocks, block_size, KVH, D]
     k_pool = k_blocks.view(-1, kv_heads, head_dim)
     v_pool = v_blocks.view(-1, kv_heads, head_dim)
-    k_pool[batch.slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
-    v_pool[batch.slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+    slot_mapping = batch.slot_mapping_of(group)
+    k_pool[slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
+    v_pool[slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
     if batch.kernel == attention_reference.KERNEL:
-        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window)
+        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window, group)
     else:
-        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window)
+        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window, group)
     return out.unsqueeze(0), None
 
 

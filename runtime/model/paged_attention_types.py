@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.model.attention_groups import AttentionGroup
+from runtime.model.kv_layout import PageGroups
 
 
 @dataclass(slots=True)
@@ -15,12 +16,22 @@ class SequenceSpan:
     q_len: int               # number of new tokens
     context_runs: list[tuple[int, int]]  # (first slot, length) covering positions 0..ctx_len-1 in order
     key_limit: torch.Tensor | None = None  # [q_len]: last key position each new token sees (None: causal)
+    ring_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per ring group, as context_runs
 
 
 @dataclass(slots=True)
 class PagedBatch:
-    kv: torch.Tensor             # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    slot_mapping: torch.Tensor   # [T] long: where each new token's K/V is written
+    kv: torch.Tensor             # [page_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor   # [T] long: where each new token's K/V is written (page group 0)
     spans: list[SequenceSpan]
     groups: list[AttentionGroup] = field(default_factory=list)  # decodes, prompt chunks: one call each
     kernel: str = "sdpa_padded"  # attention_kernels.KERNELS, or attention_reference.KERNEL
+    groups_of: PageGroups | None = None   # the pool's layer -> (page group, slot) map (None: dense, layer = slot)
+    ring_slot_mappings: list[torch.Tensor] = field(default_factory=list)  # per ring group, as slot_mapping
+
+    def home(self, layer: int) -> tuple[int, int]:
+        """``(page group, slot)`` of KV layer ``layer``."""
+        return (0, layer) if self.groups_of is None else (self.groups_of.group_of[layer], self.groups_of.slot_of[layer])
+
+    def slot_mapping_of(self, group: int) -> torch.Tensor:
+        return self.slot_mapping if group == 0 else self.ring_slot_mappings[group - 1]

@@ -65,7 +65,13 @@ class PreparedPrompt:
     def rope_delta(self) -> int:
         return self.plan.rope_delta
 
-    def item(self, start: int, end: int, blocks: list[int], want_logits: bool | None = None) -> PackedItem:
+    @property
+    def longest_image_span(self) -> int:
+        """The longest bidirectional image span (0 without): a chunk can grow to it (``chunk_end``)."""
+        return max((e - s for s, e in self.image_spans), default=0)
+
+    def item(self, start: int, end: int, blocks: list[int], want_logits: bool | None = None,
+             rings: list[list[int]] | None = None) -> PackedItem:
         """The chunk ``start..end`` as one packed item (logits wanted for the last chunk by default)."""
         if not 0 <= start < end <= len(self):
             raise IndexError(f"chunk {start}..{end} outside the prompt of {len(self)} tokens")
@@ -83,4 +89,4 @@ class PreparedPrompt:
             if any(s < end and e > start for s, e in self.image_spans):
                 limits = self._key_limits[start:end]
         return PackedItem(self.embeds[start:end], start, blocks, end == len(self) if want_logits is None else want_logits,
-                          positions=positions, deepstack=share, key_limits=limits)
+                          positions=positions, deepstack=share, key_limits=limits, rings=rings)

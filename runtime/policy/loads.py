@@ -63,6 +63,8 @@ class DecodeWorkerLoad:
     accepts_local_prefill: bool = True  # False: a pure decode worker (no colocated option)
     cached_prefix_tokens: int = 0  # of this request's prompt, cached KV here (< prompt_tokens)
     cached_images: int = 0  # of this request's images, wholly inside that prefix (no encode when colocated here)
+    ring_groups: int = 0  # windowed pool: rings per sequence (sliding-window layers; 0: dense)
+    ring_blocks: int = 0  # ... and the most blocks one ring holds
 
     def __post_init__(self) -> None:
         if self.cached_prefix_tokens < 0 or self.cached_images < 0:

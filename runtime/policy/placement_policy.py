@@ -98,15 +98,24 @@ class Admission:
 # ---- estimates --------------------------------------------------------------------
 
 
-def blocks_needed(shape: RequestShape, block_size: int) -> int:
-    """The prompt's blocks once plus each further choice's own (as ``decode_svc/reservations.py`` reserves)."""
-    one = -(-(shape.prompt_tokens + shape.max_tokens) // block_size)
-    return one + (shape.choices - 1) * (one - shape.prompt_tokens // block_size)
+def kv_blocks_needed(prompt_tokens: int, max_tokens: int, choices: int, block_size: int,
+                     ring_groups: int = 0, ring_blocks: int = 0) -> int:
+    """What ``decode_svc/reservations.py`` reserves: the prompt's blocks once, each further choice's own
+    (its partial prompt block and output), and on a windowed pool every choice's rings (``ring_groups``
+    rings of at most ``ring_blocks`` blocks, never more than the sequence's own blocks)."""
+    one = -(-(prompt_tokens + max_tokens) // block_size)
+    rings = ring_groups * min(one, ring_blocks)
+    return one + (choices - 1) * (one - prompt_tokens // block_size) + choices * rings
+
+
+def blocks_needed(shape: RequestShape, block_size: int, ring_groups: int = 0, ring_blocks: int = 0) -> int:
+    return kv_blocks_needed(shape.prompt_tokens, shape.max_tokens, shape.choices, block_size, ring_groups, ring_blocks)
 
 
 def has_capacity(shape: RequestShape, worker: DecodeWorkerLoad) -> bool:
     """Whether ``worker`` has the KV blocks for this request now (True when it reports none)."""
-    return worker.free_blocks is None or worker.free_blocks >= blocks_needed(shape, worker.block_size)
+    return worker.free_blocks is None or worker.free_blocks >= blocks_needed(
+        shape, worker.block_size, worker.ring_groups, worker.ring_blocks)
 
 
 def estimate_encode_ms(shape: RequestShape, encoder: EncoderLoad | None, cm: CostModel) -> float:

@@ -61,6 +61,8 @@ class WorkerReport:
     free_blocks: int | None = None  # decode: free KV blocks (None: not reported, no block check)
     total_blocks: int = 0
     block_size: int = 16
+    ring_groups: int = 0  # decode, windowed pool: rings per sequence and the most blocks in one
+    ring_blocks: int = 0
     max_batch: int = 0  # decode: the configured batch size (0: not reported)
     in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
     cached_prefix_tokens: int = 0  # decode: of this request's prompt, held there as cached KV
@@ -131,5 +133,6 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
         slot_wait = steps * cm.decode_step_ms(running)
     cached = min(w.cached_prefix_tokens, shape.prompt_tokens - 1)
     return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
-                            slot_wait, cached_prefix_tokens=cached if cached > 0 else 0,
+                            slot_wait, ring_groups=w.ring_groups, ring_blocks=w.ring_blocks,
+                            cached_prefix_tokens=cached if cached > 0 else 0,
                             cached_images=min(w.cached_images, shape.n_images) if cached > 0 else 0)

@@ -51,11 +51,16 @@ class WorkerRole:
 
 def kv_pool_for(adapter: VLMAdapter, settings: WorkerSettings, *, prefix_cache: bool = False) -> KVBlockPool:
     """The worker's KV block pool: ``EPD_KV_MEMORY_MB`` of blocks of ``EPD_KV_BLOCK_SIZE`` tokens, allocated once
-    (``prefix_cache``: retired prompt blocks stay cached; decode passes ``EPD_PREFIX_CACHE``)."""
+    (``prefix_cache``: retired prompt blocks stay cached; decode passes ``EPD_PREFIX_CACHE``). A model with
+    sliding-window layers keeps them in rings (``EPD_SLIDING_WINDOW_KV``): sized for the longest run one
+    forward writes (a prompt chunk, or an image span the chunker keeps whole), with no prefix cache."""
     from runtime.model.kv_pool import KVBlockPool
 
+    windowed = settings.sliding_window_kv and bool(adapter.kv_layout.sliding_layers)
+    chunk = max(settings.prefill_chunk_tokens, adapter.longest_image_span) if windowed else None
     return KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
-                                          device=settings.device, prefix_cache=prefix_cache)
+                                          device=settings.device, prefix_cache=prefix_cache and not windowed,
+                                          window_chunk=chunk)
 
 
 def run_worker(role: WorkerRole, argv: list[str]) -> int:

@@ -61,6 +61,7 @@ class WorkerSettings(BaseSettings):
     max_lease_s: float = Field(default=300.0, gt=0,
                                description="decode: the longest a reservation may hold blocks before it is used, whatever deadline a caller sends")
     prefix_cache: bool = Field(default=True, description="decode: keep retired prompts' full KV blocks cached (keyed by tokens, images, model, positions and cache_salt) and reuse them for a later prompt with the same prefix; `--no-prefix-cache` on serve and decode turns it off")
+    sliding_window_kv: bool = Field(default=True, description="decode and prefill: a sliding-window layer (Gemma 3) keeps only its last window of KV, in a ring per sequence sharing the pool's blocks (and the prefix cache is off for such a model); `--no-sliding-window-kv` keeps every position of every layer")
     kv_transport: Literal["bulk", "grpc"] = Field(
         default="bulk", description="decode: `bulk` accepts KV on a raw TCP path beside gRPC, `grpc` only over PushKV")
     bulk_port: int = Field(default=0, ge=0, le=65535, description="decode: bulk KV port (0: any free port, advertised in Reserve)")
@@ -123,6 +124,8 @@ def parse_worker_args(role: str, argv: list[str]) -> WorkerSettings:
     p.add_argument("--kv-transport", choices=["bulk", "grpc"], help="decode: accept KV over a raw TCP bulk path too")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="decode: keep no KV after a request ends (EPD_PREFIX_CACHE=false)")
+    p.add_argument("--no-sliding-window-kv", dest="sliding_window_kv", action="store_false", default=None,
+                   help="decode, prefill: keep every position of a sliding-window layer (EPD_SLIDING_WINDOW_KV=false)")
     p.add_argument("--bulk-port", type=int)
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
     p.add_argument("--otlp-traces-endpoint", metavar="URL", help="export OpenTelemetry traces over OTLP/HTTP to URL")

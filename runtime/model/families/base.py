@@ -102,6 +102,10 @@ class ModelFamily(ABC):
     bidirectional_images: bool = False   # image tokens see their whole run both ways (Gemma 3's token_type_ids mask)
     layout_variants: tuple[str, ...] = (SINGLE_LAYOUT,)   # every variant ``encode_variants`` accepts
 
+    def longest_image_span(self, processor: Any) -> int:
+        """The most placeholder tokens one bidirectional image run has (0: none; a chunk grows to it)."""
+        return 0
+
     def __init__(self, config: Any, model: Any = None):
         self.config = config
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
