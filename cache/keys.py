@@ -13,6 +13,10 @@ An embedding is a function of three things, and the key names all three:
 and, optionally, a **cache salt**: the tenant's namespace (the request's
 ``cache_salt``, combined by the gateway with its API key's digest; see
 ``gateway.auth``). Two requests share an entry only when they share the salt.
+And the image's **layout variant** (``runtime.model.families.base``: the form a
+family encodes an image in for its prompt's image count, e.g. LLaVA-OneVision's
+one square tile per image of a multi-image prompt): one picture in two variants
+is two entries.
 
 Invariants:
 
@@ -33,6 +37,10 @@ Invariants:
   context, same fields), so existing cache entries stay valid. A salted key
   is hashed under its own context with the salt as one more field: it can
   never equal an unsalted key, nor the key of another salt.
+* Likewise the empty layout variant (every image of most families) gives the
+  key of earlier versions; a non-empty variant is hashed under a context of its
+  own, with the salt (empty or not) and the variant as two more fields, so it
+  never equals a key of another variant, salt, or of no variant.
 
 Lossy formats are decoded by the local Pillow/libjpeg; two hosts with
 different decoder builds may get different pixels, hence different keys: a
@@ -52,6 +60,7 @@ from PIL import Image, UnidentifiedImageError
 _IMAGE_CONTEXT = "epd encoder-cache image digest v1"
 _KEY_CONTEXT = "epd encoder-cache key v1"
 _SALTED_KEY_CONTEXT = "epd encoder-cache salted key v1"
+_VARIANT_KEY_CONTEXT = "epd encoder-cache layout-variant key v1"
 _PREPROCESS_CONTEXT = "epd encoder-cache preprocess config v1"
 _EXIF_ORIENTATION = 0x0112
 _PARALLEL_HASH_BYTES = 1 << 22  # above this, let blake3 use its thread pool
@@ -83,10 +92,12 @@ def image_digest(image: Image.Image) -> str:
     return hasher.hexdigest()
 
 
-def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
-    """Key from an ``image_digest``, the two identity strings and the salt (64 hex chars).
+def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "",
+                layout_variant: str = "") -> str:
+    """Key from an ``image_digest``, the two identity strings, the salt and the layout variant (64 hex chars).
 
-    ``cache_salt=""`` is the unsalted key (unchanged from before salts existed).
+    ``cache_salt=""`` is the unsalted key (unchanged from before salts existed); ``layout_variant=""``
+    the key of an image's only form (unchanged from before variants existed).
     """
     for name, value in (
         ("image_hash", image_hash),
@@ -95,26 +106,33 @@ def content_key(image_hash: str, model_fingerprint: str, preprocess_digest: str,
     ):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    hasher = blake3.blake3(derive_key_context=_SALTED_KEY_CONTEXT if cache_salt else _KEY_CONTEXT)
+    for name, value in (("cache_salt", cache_salt), ("layout_variant", layout_variant)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    context = _VARIANT_KEY_CONTEXT if layout_variant else _SALTED_KEY_CONTEXT if cache_salt else _KEY_CONTEXT
+    hasher = blake3.blake3(derive_key_context=context)
     _field(hasher, model_fingerprint.encode())
     _field(hasher, preprocess_digest.encode())
     _field(hasher, image_hash.encode())
-    if cache_salt:
+    if cache_salt or layout_variant:
         _field(hasher, cache_salt.encode())
+    if layout_variant:
+        _field(hasher, layout_variant.encode())
     return hasher.hexdigest()
 
 
-def image_content_key(image: Image.Image, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
-    """The cache key of ``image`` encoded by ``model_fingerprint`` after ``preprocess_digest``, in ``cache_salt``'s namespace.
+def image_content_key(image: Image.Image, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "",
+                      layout_variant: str = "") -> str:
+    """The cache key of ``image`` encoded by ``model_fingerprint`` after ``preprocess_digest`` in ``layout_variant``,
+    in ``cache_salt``'s namespace.
 
     ``image`` must be the picture as decoded from its bytes (see module docstring).
     """
-    return content_key(image_digest(image), model_fingerprint, preprocess_digest, cache_salt)
+    return content_key(image_digest(image), model_fingerprint, preprocess_digest, cache_salt, layout_variant)
 
 
-def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "") -> str:
+def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "",
+                                 layout_variant: str = "") -> str:
     """Same key as ``image_content_key`` for the image file ``data`` (what the gateway receives).
 
     Raises ``ValueError`` when ``data`` is not an image Pillow can decode.
@@ -122,7 +140,7 @@ def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            return image_content_key(image, model_fingerprint, preprocess_digest, cache_salt)
+            return image_content_key(image, model_fingerprint, preprocess_digest, cache_salt, layout_variant)
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(f"not a decodable image: {exc}") from exc
 

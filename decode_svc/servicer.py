@@ -28,7 +28,8 @@ the scheduler and the pool check the lease again before any write (see
 An embedding-fetch failure is this request's, not this worker's: FAILED_PRECONDITION
 with ``epd-failure: embedding_fetch`` (``runtime/worker/rpc_failure.py``), never UNAVAILABLE;
 so is a fetched entry whose layout or grid is not the request's image
-(``cache/embedding_fetch.checked_embeddings``).
+(``cache/embedding_fetch.checked_embeddings``). A ``Generate`` whose images' layout variants are
+not the family's for its image count (``wire.variant_problem``) is INVALID_ARGUMENT before attaching.
 
 The rope delta (``runtime/worker/rope_delta.py``): ``Reserve`` records the gateway's (an
 M-RoPE model refuses a Reserve without one); before insertion it must equal the delta of
@@ -78,7 +79,8 @@ from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.tracing import annotate, span
 from runtime.worker.transfer_state import TransferState
-from runtime.worker.wire import logprobs_to_pb, ref_grids, sampled_from_pb, sampling_from_pb, token_digest
+from runtime.worker.wire import (logprobs_to_pb, ref_grids, sampled_from_pb, sampling_from_pb, token_digest,
+                                 variant_problem)
 
 from .kv_receiver import KVReceiver, StreamTally
 from .prefix_match import PrefixCacheCounters, needed_images, request_keys, spans_of, with_stand_ins
@@ -237,6 +239,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:   # before attaching: nothing is held yet
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        problem = variant_problem(self.adapter.family, request.images)
+        if problem:   # before attaching: nothing is held yet
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         res = self.table.get(request.reservation.reservation_id)
         if res is not None and sampling.n != res.choices:   # before attaching: nothing changes
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

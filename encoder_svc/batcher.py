@@ -5,7 +5,9 @@ through the vision tower as one batch in a worker thread. The window is waited o
 the encoder is busy (a batch ended less than ``window_ms`` before the image came, so more are
 likely on the way); an image reaching an idle encoder runs at once, so a lone request's TTFT
 does not pay the window. Images that arrive during a batch go together in the next. Each submitter awaits
-its own future; a failed batch fails exactly its members.
+its own future; a failed batch fails exactly its members. Each image goes with its layout
+variant (``families.base``; ``""`` for most families), and one batch may mix variants: the family
+encodes each image in its own.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ class EncodeBatcher:
         self.max_observed_batch = 0
         self.idle_starts = 0               # batches started at once: the encoder was idle
         self._last_end = float("-inf")     # time.monotonic() when the last batch ended
-        self._pending: list[tuple[Image.Image, asyncio.Future]] = []
+        self._pending: list[tuple[Image.Image, str, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     @property
     def queue_depth(self) -> int:
         """Images waiting for a batch whose submitter still waits (a cancelled one is dropped unencoded)."""
-        return sum(1 for _, fut in self._pending if not fut.cancelled())
+        return sum(1 for _, _, fut in self._pending if not fut.cancelled())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="encode-batcher")
@@ -45,14 +47,14 @@ class EncodeBatcher:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for _, fut in self._pending:
+        for _, _, fut in self._pending:
             if not fut.done():
                 fut.set_exception(RuntimeError("encoder stopping"))
         self._pending.clear()
 
-    async def encode(self, image: Image.Image) -> torch.Tensor:
+    async def encode(self, image: Image.Image, layout_variant: str = "") -> torch.Tensor:
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((image, fut))
+        self._pending.append((image, layout_variant, fut))
         self._wake.set()
         return await fut
 
@@ -67,15 +69,16 @@ class EncodeBatcher:
             elif not busy:
                 self.idle_starts += 1
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-            batch = [(im, f) for im, f in batch if not f.cancelled()]
+            batch = [(im, v, f) for im, v, f in batch if not f.cancelled()]
             if not batch:
                 continue
             started = time.perf_counter()
             try:
-                outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _ in batch])
+                outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _, _ in batch],
+                                                  [v for _, v, _ in batch])
             except Exception as exc:
                 self._last_end = time.monotonic()
-                for _, fut in batch:
+                for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
@@ -83,6 +86,6 @@ class EncodeBatcher:
             self.timings.record("encode", len(batch), (time.perf_counter() - started) * 1000)
             self.computes += len(batch)
             self.max_observed_batch = max(self.max_observed_batch, len(batch))
-            for (_, fut), out in zip(batch, outputs):
+            for (_, _, fut), out in zip(batch, outputs):
                 if not fut.done():
                     fut.set_result(out)

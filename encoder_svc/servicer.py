@@ -2,10 +2,12 @@
 
 A request names each image by its content key (computed by the gateway from the
 decoded pixels, the model fingerprint, the preprocessing digest and the ref's
-``cache_salt``, the tenant's namespace). Per image of an ``Encode``:
+``cache_salt``, the tenant's namespace, and its ``layout_variant``: the form the family
+encodes it in for its prompt's image count, ``""`` for most). Per image of an ``Encode``:
 
 * bytes and a key (the gateway): the key is looked up first; only on a miss are the
-  bytes decoded and the key re-derived from them and the salt. It must match before
+  bytes decoded, the key re-derived from them, the salt and the variant, and the image
+  encoded in that variant. It must match before
   anything is written, so a wrong key can never poison the shared cache, nor file an
   image under another tenant's namespace.
 * a key alone (a prefill or decode worker fetching an embedding): a lookup, nothing
@@ -52,17 +54,18 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first
 
-    def key_for(self, image: Image.Image, cache_salt: str = "") -> str:
-        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt)
+    def key_for(self, image: Image.Image, cache_salt: str = "", layout_variant: str = "") -> str:
+        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt,
+                                 layout_variant)
 
-    def _decode_image(self, data: bytes, cache_salt: str) -> tuple[Image.Image, str]:
+    def _decode_image(self, data: bytes, cache_salt: str, layout_variant: str) -> tuple[Image.Image, str]:
         """The validated RGB image and its content key (hashed as decoded, before any conversion)."""
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
         except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
             raise InvalidImage(f"not a decodable image: {exc}") from exc
-        key = self.key_for(image, cache_salt)
+        key = self.key_for(image, cache_salt, layout_variant)
         return self.adapter.validate_image(image), key
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
@@ -75,7 +78,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             for image in request.images:
                 key, tensor, hit = await self._embedding(image, context, request.request_id)
                 (record,) = self.adapter.embeddings([tensor])   # the stored layout read back (checked)
-                item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=record.tokens, grid_thw=record.grid or ())
+                item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=record.tokens, grid_thw=record.grid or (),
+                                       layout_variant=image.ref.layout_variant)
                 if request.return_embeddings:
                     item.embedding.CopyFrom(tensor_to_pb(tensor))
                 out.append(item)
@@ -86,6 +90,10 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def _embedding(self, image: pb.EncodeImage, context, request_id: str = "") -> tuple[str, torch.Tensor, bool]:
         """``(key, embedding, cache_hit)`` for one image: by key first, bytes decoded only on a miss."""
         ref = image.ref
+        try:
+            self.adapter.check_variant(ref.layout_variant)
+        except InvalidImage as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ref.cache_key:
             with span("encoder.cache_check", **{"epd.request_id": request_id}) as s:
                 tensor = await self.cache.get(ref.cache_key)
@@ -97,13 +105,13 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             if not image.data:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"embedding {ref.cache_key} is not cached here")
         try:
-            decoded, key = self._decode_image(image.data, ref.cache_salt)
+            decoded, key = self._decode_image(image.data, ref.cache_salt, ref.layout_variant)
         except InvalidImage as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if ref.cache_key and ref.cache_key != key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache key does not match the image content")
         with span("encoder.encode", **{"epd.request_id": request_id}) as s:
-            tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded))
+            tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded, ref.layout_variant))
             if s is not None:
                 s.set_attribute("epd.cache_hit", bool(hit))
         self.cache_hits += hit

@@ -90,6 +90,9 @@ class ChatJob:
     image_tokens: list[int] = field(default_factory=list)
     positions: Any = None
     image_token_id: int = -1     # the placeholder token id (-1: unknown, no prefix-cache keys with images)
+    # each image's layout variant (gateway.prompt.BuiltPrompt.image_variants; empty = "" each, the only form of
+    # most families): in its cache key and its ImageRef. The workers refuse a variant that is not their family's
+    image_variants: list[str] = field(default_factory=list)
     choice_ends: ChoiceEnds = field(default_factory=ChoiceEnds)   # n > 1: choices ended by the HTTP layer
 
 

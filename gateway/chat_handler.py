@@ -214,6 +214,7 @@ class ChatHandler:
             image_tokens=prompt.image_tokens,
             positions=prompt.positions,
             image_token_id=self.prompts.placeholder_id,
+            image_variants=prompt.image_variants,
         )
 
     # -- steps 6-7 ----------------------------------------------------------------------

@@ -1,15 +1,16 @@
 """A request's images up to the encoder cache: content keys, which are cached, encoding the rest.
 
 ``plan`` (before admission) picks the least loaded encoder, computes each image's
-salted content key (and names its grid, ``ChatJob.image_grids``) and asks that encoder which are cached — only for keys this
+salted content key in its layout variant (``ChatJob.image_variants``; and names its grid,
+``ChatJob.image_grids``) and asks that encoder which are cached — only for keys this
 gateway has sent before (``seen_images``); a never-seen image counts as a miss until
 ``Encode`` reports. ``encode`` (after admission) sends the images with their bytes
 to that encoder unless every one is known cached; the encoder computes only the misses,
-and each image's grid as the encoder made it must be the gateway's (else the two processors'
-settings differ: a 503 before anything is reserved).
+and each image's grid and layout variant as the encoder made them must be the gateway's (else the
+two processors' settings differ, or the encoder ignores variants: a 503 before anything is reserved).
 
 The bytes travel once, here. What Prefill and Generate carry is ``ImagePlan.refs``:
-key, salt and encoder address, no bytes; the worker fetches the embedding by key.
+key, salt, layout variant and encoder address, no bytes; the worker fetches the embedding by key.
 Salted keys everywhere (seen_images, Cached, Encode, the breakdown's hit count): a
 request learns about cached images only within its own salt, never another tenant's.
 """
@@ -65,7 +66,9 @@ class EncoderStep:
             raise AdmissionRefused(503, "no healthy encoder worker", 1.0)
         encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
         fp, digest, salt = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest, job.cache_salt
-        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest, salt) for im in job.images])
+        variants = job.image_variants if len(job.image_variants) == len(job.images) else [""] * len(job.images)
+        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest, salt, v)
+                                                for im, v in zip(job.images, variants)])
         checked = [self.seen_images.seen(k) for k in keys]
         found = await self.rpc.cached(encoder, [k for k, c in zip(keys, checked) if c])
         for k, c in zip(keys, checked):
@@ -74,8 +77,8 @@ class EncoderStep:
         grids = job.image_grids or [None] * len(keys)
         counts = job.image_tokens if len(job.image_tokens) == len(keys) else [0] * len(keys)
         refs = [pb.ImageRef(cache_key=k, encoder_address=encoder.address, cache_salt=salt, grid_thw=g or (),
-                            placeholder_tokens=n)
-                for k, g, n in zip(keys, grids, counts)]
+                            placeholder_tokens=n, layout_variant=v)
+                for k, g, n, v in zip(keys, grids, counts, variants)]
         return ImagePlan(keys, refs, checked, [k in found for k in keys], encoder)
 
     async def encode(self, job: ChatJob, plan: ImagePlan, breakdown: dict[str, float],
@@ -101,6 +104,9 @@ class EncoderStep:
                 raise BackendFailure(f"encoder {plan.encoder.address} made image {ref.cache_key[:12]} a grid "
                                      f"{list(image.grid_thw)}, this gateway's processor {list(ref.grid_thw)}: "
                                      "their image processor settings differ", 503)
+            if ref.layout_variant != image.layout_variant:   # an encoder that does not know layout variants
+                raise BackendFailure(f"encoder {plan.encoder.address} encoded image {ref.cache_key[:12]} in layout "
+                                     f"variant {image.layout_variant!r}, not the prompt's {ref.layout_variant!r}", 503)
         breakdown["encode_ms"] = breakdown.get("encode_ms", 0.0) + (time.monotonic() - t0) * 1000
         breakdown["images_cache_hit"] = breakdown.get("images_cache_hit", 0.0) + float(sum(i.cache_hit for i in resp.images))
         for i, image in zip(todo, resp.images):

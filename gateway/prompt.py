@@ -5,7 +5,12 @@
 Image parts become ``{"type": "image"}`` for the template, so it emits one
 image placeholder per image; the processor then expands each placeholder to
 the number of feature tokens the encoder will produce (which may depend on the
-image's size), so ``len(token_ids)`` is the true prompt length.
+image's size), so ``len(token_ids)`` is the true prompt length. The processor
+is given the conversation's images as one sample (``[images]``), as
+``apply_chat_template`` gives them: a processor whose expansion depends on the
+prompt's image count (LLaVA-OneVision's multi-image form) sees the count, and
+each image's layout variant (``family.layout_variant``, ``BuiltPrompt.image_variants``)
+names the form the encoder must produce.
 
 Only the processor (tokenizer + image processor) and the config are loaded;
 the gateway never loads model weights. The processor comes from the model's
@@ -23,9 +28,9 @@ check theirs against them before a sequence is inserted.
 Images of a size seen before skip the image processor: the processor's
 pixels are thrown away here (the encoder computes its own), and only the
 number of placeholder tokens per image matters. The first image of each
-size goes through the full processor, and its output is checked against
+size and layout variant goes through the full processor, and its output is checked against
 "tokenize the text, then repeat each placeholder N times"; once that holds,
-N is remembered for the size. If it ever does not hold (a processor that
+N is remembered for the size and variant. If it ever does not hold (a processor that
 expands placeholders into other tokens), the shortcut is off for good.
 
 Length: a prompt that cannot fit the context is refused (400
@@ -78,6 +83,7 @@ class BuiltPrompt:
     rope_delta: int                                       # the position plan's per-sequence offset (0 for 1-D)
     image_tokens: list[int] = field(default_factory=list) # one per image: its placeholder tokens (prefix-cache keys)
     positions: Any = None                                 # M-RoPE: the plan's [3, T] positions (prefix-cache keys); 1-D: None
+    image_variants: list[str] = field(default_factory=list)  # one per image: its layout variant ("" = its only form)
 
 
 class PromptBuilder:
@@ -103,8 +109,8 @@ class PromptBuilder:
         self.image_token_id: int | None = (
             self.tokenizer.convert_tokens_to_ids(self.image_token) if self.image_token else None)
         self.video_token: str | None = getattr(processor, "video_token", None)   # videos are refused
-        # (width, height) -> placeholder tokens per image, learnt from the full processor
-        self._tokens_per_size: dict[tuple[int, int], int] = {}
+        # ((width, height), layout variant) -> placeholder tokens per image, learnt from the full processor
+        self._tokens_per_size: dict[tuple[tuple[int, int], str], int] = {}
         self._shortcut_ok = self.image_token_id is not None
 
     @classmethod
@@ -185,16 +191,22 @@ class PromptBuilder:
         if images and not self.accepts_images:
             raise ApiError.bad_request("this model does not accept images", "messages", "images_not_supported")
         processor = processor or self.processor
+        variants = self.image_variants(len(images))
         with self._learnt_lock:
-            known = [self._tokens_per_size.get(im.size) for im in images] if self._shortcut_ok else []
+            known = ([self._tokens_per_size.get((im.size, v)) for im, v in zip(images, variants)]
+                     if self._shortcut_ok else [])
         if images and known and None not in known:
             expanded = self._expand(self._text_ids(prompt, processor), known)
             if expanded is not None:
                 return expanded
         ids = self._process(prompt, images, processor)
         if images and self._shortcut_ok:
-            self._learn(prompt, images, ids, processor)
+            self._learn(prompt, images, variants, ids, processor)
         return ids
+
+    def image_variants(self, n_images: int) -> list[str]:
+        """The layout variant of each image of a prompt holding ``n_images`` (the family's rule; "" without one)."""
+        return [self.family.layout_variant(n_images) if self.family is not None else ""] * n_images
 
     @staticmethod
     def _text_ids(prompt: str, processor: Any) -> list[int]:
@@ -216,8 +228,9 @@ class PromptBuilder:
 
     _MAX_LEARNT_SIZES = 4096
 
-    def _learn(self, prompt: str, images: Sequence[Image.Image], ids: list[int], processor: Any) -> None:
-        """Record placeholder counts per image size from a full processor run, or turn the shortcut off."""
+    def _learn(self, prompt: str, images: Sequence[Image.Image], variants: Sequence[str], ids: list[int],
+               processor: Any) -> None:
+        """Record placeholder counts per image size and variant from a full processor run, or turn the shortcut off."""
         runs: list[int] = []
         previous = None
         for t in ids:
@@ -229,11 +242,12 @@ class PromptBuilder:
         if len(runs) != len(images):
             return  # adjacent placeholders merge into one run: nothing to learn from this prompt
         expands = self._expand(self._text_ids(prompt, processor), runs) == ids
-        learnt: dict[tuple[int, int], int] = {}
+        learnt: dict[tuple[tuple[int, int], str], int] = {}
         with self._learnt_lock:
             consistent = expands
-            for im, n in zip(images, runs):
-                consistent &= learnt.setdefault(im.size, n) == n and self._tokens_per_size.get(im.size, n) == n
+            for im, v, n in zip(images, variants, runs):
+                key = (im.size, v)
+                consistent &= learnt.setdefault(key, n) == n and self._tokens_per_size.get(key, n) == n
             if not consistent:
                 self._shortcut_ok = False
                 self._tokens_per_size.clear()
@@ -243,7 +257,7 @@ class PromptBuilder:
     def _process(self, prompt: str, images: Sequence[Image.Image], processor: Any = None) -> list[int]:
         kwargs: dict[str, Any] = {"text": prompt, "add_special_tokens": False}
         if images:
-            kwargs["images"] = list(images)
+            kwargs["images"] = [list(images)]   # one conversation, one sample (as apply_chat_template passes them)
         try:
             encoded = (processor or self.processor)(**kwargs)
         except ValueError as exc:  # the processor's own consistency checks on client content
@@ -269,7 +283,7 @@ class PromptBuilder:
         token_ids = self.build(messages, images, tools)
         grids, plan = self.position_plan(token_ids, images)
         return BuiltPrompt(token_ids, grids, plan.rope_delta if plan else 0, self.image_tokens(token_ids, len(images)),
-                           plan.positions if plan else None)
+                           plan.positions if plan else None, self.image_variants(len(images)))
 
     @property
     def placeholder_id(self) -> int:

@@ -5,7 +5,8 @@ transfer state is SUCCESS) or the transfer failed; the gateway decides what to
 do next from the time the request has left (retry into the held reservation,
 another decode worker, re-prefill elsewhere, or fail).
 
-The prompt is checked before any compute: the token digest against the ids, image keys,
+The prompt is checked before any compute: each image's layout variant against the family's
+for the request's image count (``wire.variant_problem``); the token digest against the ids, image keys,
 grids and rope delta the request carries; each fetched embedding against its ref's grid
 (``cache/embedding_fetch.checked_embeddings``: a stale entry is an embedding-fetch failure);
 the prepared prompt's rope delta against the request's (``runtime/worker/rope_delta.py``).
@@ -34,7 +35,7 @@ from runtime.worker.peers import UnknownPeerError
 from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.serving_state import ServingState
-from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest
+from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest, variant_problem
 
 from .decode_links import DecodeLinks
 from .kv_sender import ChunkFraming, KVSender, TransferBroken
@@ -79,6 +80,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        problem = variant_problem(self.adapter.family, request.images)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.token_digest and request.token_digest != token_digest(token_ids, keys, grids, expected_delta):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "token digest does not match the token ids, image keys and grids, and rope delta")

@@ -22,7 +22,7 @@ import torch
 from cluster import Cluster
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 from PIL import Image
-from qwen_vl_cases import CASES, NEW_TOKENS, Case
+from qwen_vl_cases import CASES, NEW_TOKENS, Case, hf_images
 
 from gateway.chat_backend import ChatJob, PreparedImage
 from gateway.openai_schema import ChatCompletionRequest
@@ -78,7 +78,7 @@ def openai_messages(case: Case) -> list[dict]:
 def reference_request(adapter: VLMAdapter, case: Case) -> Request:
     """``case`` as a client sends it, with the checkpoint's greedy ``generate()`` (cut at the first EOS)."""
     text = adapter.processor.apply_chat_template(case.messages, add_generation_prompt=True)
-    inputs = adapter.processor(images=case.images or None, text=text, return_tensors="pt")
+    inputs = adapter.processor(images=hf_images(case.images), text=text, return_tensors="pt")
     ids = inputs["input_ids"][0].tolist()
     with torch.inference_mode():
         out = adapter.model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
@@ -138,7 +138,8 @@ async def run_choices(o: Orchestrator, stack: Stack, r: Request, n: int) -> list
     assert prompt.token_ids == r.ids, "the gateway's prompt is the processor's"
     now = time.monotonic()
     job = ChatJob(uuid.uuid4().hex, prompt.token_ids, r.images, MAX_TOKENS, SamplingParams(temperature=0.0, n=n),
-                  now + 60.0, 1000.0, now, image_grids=prompt.image_grids, rope_delta=prompt.rope_delta)
+                  now + 60.0, 1000.0, now, image_grids=prompt.image_grids, rope_delta=prompt.rope_delta,
+                  image_variants=prompt.image_variants)
     tokens: list[list[int]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     async for ev in o.generate(job):

@@ -55,15 +55,22 @@ CASES: list[Case] = [
 ]
 
 
+def hf_images(images: list[Image.Image]) -> list[list[Image.Image]] | None:
+    """A conversation's images as transformers' ``apply_chat_template`` hands them to the processor: one
+    sample holding them all (LLaVA-OneVision's processor reads the count: several images are its multi-image
+    form; every other family's processor gives what a flat list gives)."""
+    return [list(images)] if images else None
+
+
 def build_checkpoint(family: str, root: Path) -> Path:
     return build_qwen_vl(family, root / family)
 
 
 @dataclass
 class Prompt:
-    inputs: dict                 # the processor's output, what generate() takes
+    inputs: dict                 # the processor's output (the conversation's images as one sample), what generate() takes
     ids: list[int]
-    embeddings: list[torch.Tensor]   # adapter.encode: the encoder cache's tensors
+    embeddings: list[torch.Tensor]   # adapter.encode in the prompt's layout variants: the encoder cache's tensors
     reference: list[int]         # generate()'s greedy NEW_TOKENS tokens (EOS disabled)
 
 
@@ -71,13 +78,14 @@ def prompts_for(adapter: VLMAdapter) -> dict[str, Prompt]:
     out = {}
     for case in CASES:
         text = adapter.processor.apply_chat_template(case.messages, add_generation_prompt=True)
-        inputs = adapter.processor(images=case.images or None, text=text, return_tensors="pt")
+        inputs = adapter.processor(images=hf_images(case.images), text=text, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         with torch.inference_mode():
             generated = adapter.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
         reference = generated[0, len(ids):].tolist()
         assert len(reference) == NEW_TOKENS, "EOS was not disabled in the reference"
-        out[case.name] = Prompt(inputs, ids, adapter.encode(case.images), reference)
+        out[case.name] = Prompt(inputs, ids, adapter.encode(case.images, adapter.layout_variants(len(case.images))),
+                                reference)
     references = [tuple(p.reference) for p in out.values()]
     assert len(set(references)) == len(references) and all(len(set(r)) > 2 for r in references), (
         f"random model too degenerate for a meaningful identity check: {references}")

@@ -138,3 +138,23 @@ def test_salt_fields_do_not_run_together() -> None:
 def test_salt_must_be_a_string() -> None:
     with pytest.raises(ValueError, match="cache_salt"):
         content_key(image_digest(picture()), MODEL, PP, None)  # type: ignore[arg-type]
+
+
+# -- layout variants: one picture in two forms (LLaVA-OneVision's multi-image form) -------------
+def test_the_empty_layout_variant_keeps_the_keys_of_before_variants_byte_for_byte() -> None:
+    image = picture()
+    assert image_content_key(image, MODEL, PP, "", "") == UNSALTED_KEY_BEFORE_SALTS
+    assert image_content_key(image, MODEL, PP, "tenant-a", "") == image_content_key(image, MODEL, PP, "tenant-a")
+
+
+def test_the_layout_variant_is_part_of_the_key_and_both_sides_agree() -> None:
+    image = picture()
+    keys = {(salt, variant): image_content_key(image, MODEL, PP, salt, variant)
+            for salt in ("", "tenant-a") for variant in ("", "multi-image", "other")}
+    assert len(set(keys.values())) == len(keys)   # every salt and variant its own entry
+    assert image_content_key_from_bytes(png_bytes(image), MODEL, PP, "tenant-a", "multi-image") == keys[
+        ("tenant-a", "multi-image")]   # the encoder's derivation
+    digest = image_digest(image)   # length-prefixed: characters moved between the salt and the variant change it
+    assert content_key(digest, MODEL, PP, "ab", "c") != content_key(digest, MODEL, PP, "a", "bc")
+    with pytest.raises(ValueError, match="layout_variant"):
+        content_key(digest, MODEL, PP, "", None)  # type: ignore[arg-type]

@@ -7,7 +7,9 @@ gateway's own ``PromptBuilder`` (the chat template, the processor's any-resoluti
 placeholder expansion) and ``Orchestrator`` in this process, over gRPC, both
 placements, with chunk sizes that cut image spans and with the whole prompt. The
 reference is ``generate()`` of the same checkpoint loaded here (greedy, cut at the
-first EOS, which ends the services' stream). After every test nothing is held
+first EOS, which ends the services' stream) on the processor given the conversation's
+images as one sample, as ``apply_chat_template`` does (OneVision: the multi-image form
+for the three-image and the two-image multi-turn cases). After every test nothing is held
 (``tests/leaks.py``).
 
 On the code before issue 18 no worker starts: these architectures were refused at

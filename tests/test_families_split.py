@@ -10,7 +10,10 @@ placeholders between ``<fake_token_around_image><row_R_col_C>`` tags. The cases
 prompt, text only) run as the workers run them: ``encode`` to the cache's tensors,
 chunked prefill through a paged pool (chunk boundaries inside image spans), each
 chunk landed in decode's blocks, greedy decode steps. The reference is the same
-loaded model's ``generate()`` on the processor's output.
+loaded model's ``generate()`` on the processor's output, the conversation's images
+handed to it as one sample (``qwen_vl_cases.hf_images``, as ``apply_chat_template``
+does): OneVision's multi-image form (one square tile per image) for several images,
+so its encoder runs in the prompt's layout variant (``adapter.layout_variants``).
 
 On the code before issue 18 every test here fails at load: the architectures were
 refused ("multi-crop (anyres) image features", "multi-crop image splitting"), and the
@@ -80,7 +83,7 @@ def test_placeholders_encoder_output_and_the_processor_rule_agree(adapter, promp
     for case in CASES:
         p = prompts[case.name]
         rows = [e.shape[0] for e in p.embeddings]
-        rule = [adapter.image_tokens(*im.size) for im in case.images]
+        rule = [adapter.image_tokens(*im.size, v) for im, v in zip(case.images, adapter.layout_variants(len(case.images)))]
         assert rows == rule, case.name
         assert sum(rows) == p.ids.count(adapter.image_token_id), case.name
         counts.update(rows)

@@ -149,18 +149,37 @@ class VLMAdapter:
         return image.convert("RGB") if image.mode != "RGB" else image
 
     @torch.inference_mode()
-    def encode(self, images: Sequence[Image.Image]) -> list[torch.Tensor]:
+    def encode(self, images: Sequence[Image.Image], variants: Sequence[str] | None = None) -> list[torch.Tensor]:
         """Preprocess + vision tower + projector, batched: one tensor per image in the family's storage
-        layout (``[tokens, hidden]`` for LLaVA-style families; see ``families`` for the others)."""
-        return [self.family.to_tensor(e) for e in self.encode_images(images)]
+        layout (``[tokens, hidden]`` for LLaVA-style families; see ``families`` for the others).
+        ``variants``: each image's layout variant (``family.layout_variant`` of its prompt's image count;
+        ``None``: every image on its own, ``SINGLE_LAYOUT``)."""
+        return [self.family.to_tensor(e) for e in self.encode_images(images, variants)]
 
     @torch.inference_mode()
-    def encode_images(self, images: Sequence[Image.Image]) -> list[ImageEmbedding]:
+    def encode_images(self, images: Sequence[Image.Image], variants: Sequence[str] | None = None) -> list[ImageEmbedding]:
         """Like ``encode``, as decoded ``ImageEmbedding`` records (features, grid, DeepStack levels)."""
         if not images:
             return []
+        variants = [families.SINGLE_LAYOUT] * len(images) if variants is None else list(variants)
+        if len(variants) != len(images):
+            raise AdapterInputError(f"{len(variants)} layout variants for {len(images)} images")
+        for v in variants:
+            self.check_variant(v)
         rgb = [self.validate_image(im) for im in images]
-        return self.family.encode(self.model, self.processor, rgb, self.kv_layout.dtype, self.device)
+        if all(v == families.SINGLE_LAYOUT for v in variants):
+            return self.family.encode(self.model, self.processor, rgb, self.kv_layout.dtype, self.device)
+        return self.family.encode_variants(self.model, self.processor, rgb, variants, self.kv_layout.dtype, self.device)
+
+    def check_variant(self, variant: str) -> None:
+        """``InvalidImage`` unless ``variant`` is one of this family's layout variants."""
+        if variant not in self.family.layout_variants:
+            raise InvalidImage(f"layout variant {variant!r} is not one of {self.family.name}'s "
+                               f"{list(self.family.layout_variants)}")
+
+    def layout_variants(self, n_images: int) -> list[str]:
+        """The layout variant of each image of a prompt holding ``n_images`` images (the family's rule)."""
+        return [self.family.layout_variant(n_images)] * n_images
 
     @torch.inference_mode()
     def encode_pixels(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
@@ -173,9 +192,9 @@ class VLMAdapter:
         """The longest bidirectional image run a prompt can have (0: causal images): a chunk grows to it."""
         return self.family.longest_image_span(self.processor)
 
-    def image_tokens(self, width: int, height: int) -> int:
-        """Placeholder tokens of an image of this size: the processor's own rule."""
-        return self.family.image_tokens(self.processor, width, height)
+    def image_tokens(self, width: int, height: int, variant: str = families.SINGLE_LAYOUT) -> int:
+        """Placeholder tokens of an image of this size in layout variant ``variant``: the processor's own rule."""
+        return self.family.variant_image_tokens(self.processor, width, height, variant)
 
     # -- the splice -------------------------------------------------------------
     def embeddings(self, images: Sequence[ImageInput]) -> list[ImageEmbedding]:

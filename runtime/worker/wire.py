@@ -113,6 +113,17 @@ def token_digest(token_ids: Sequence[int], image_keys: Sequence[str],
     return h.hexdigest()[:32]
 
 
+def variant_problem(family, images: Sequence[pb.ImageRef]) -> str | None:
+    """Why the refs' layout variants are not what ``family`` (a ``ModelFamily``) encodes the images of a
+    prompt of ``len(images)`` images in (a client error: the embeddings would be another form), or ``None``."""
+    expected = family.layout_variant(len(images))
+    for i, ref in enumerate(images):
+        if ref.layout_variant != expected:
+            return (f"image {i} has layout variant {ref.layout_variant!r}; {family.name} encodes every image of a "
+                    f"prompt of {len(images)} images as {expected!r}")
+    return None
+
+
 def ref_grids(images: Sequence[pb.ImageRef]) -> list[tuple[int, ...] | None]:
     """Each ref's ``grid_thw`` (``None`` where it has none: a 1-D family's image)."""
     return [tuple(int(g) for g in ref.grid_thw) or None for ref in images]

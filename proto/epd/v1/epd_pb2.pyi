@@ -69,18 +69,20 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens")
+    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens", "layout_variant")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VARIANT_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     encoder_address: str
     cache_salt: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     placeholder_tokens: int
-    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ...) -> None: ...
+    layout_variant: str
+    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ..., layout_variant: _Optional[str] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
@@ -195,18 +197,20 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., return_embeddings: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[EncodeImage, _Mapping]]] = ...) -> None: ...
 
 class EncodedImage(_message.Message):
-    __slots__ = ("cache_key", "cache_hit", "tokens", "embedding", "grid_thw")
+    __slots__ = ("cache_key", "cache_hit", "tokens", "embedding", "grid_thw", "layout_variant")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VARIANT_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     cache_hit: bool
     tokens: int
     embedding: Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_key: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., tokens: _Optional[int] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    layout_variant: str
+    def __init__(self, cache_key: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., tokens: _Optional[int] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., layout_variant: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("images", "encode_ms")

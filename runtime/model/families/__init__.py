@@ -17,7 +17,8 @@ from transformers import PretrainedConfig
 
 from runtime.model import supported_models
 
-from .base import EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan, image_spans
+from .base import (SINGLE_LAYOUT, EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan,
+                   image_spans)
 from .gemma3 import Gemma3Family
 from .idefics3 import Idefics3Family, SmolVLMFamily
 from .llava import LlavaStyleFamily
@@ -41,7 +42,7 @@ IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "Qwen3.5": Qwen3_5Family,
 }
 
-__all__ = ["EmbeddingFormatError", "ImageEmbedding", "ModelFamily", "PositionKind", "PositionPlan",
+__all__ = ["SINGLE_LAYOUT", "EmbeddingFormatError", "ImageEmbedding", "ModelFamily", "PositionKind", "PositionPlan",
            "family_class", "family_for", "image_spans", "load_processor"]
 
 

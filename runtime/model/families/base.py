@@ -14,6 +14,13 @@ family (one ``ModelFamily`` per loaded model) for the rest:
   layout is stable and checked on the way back;
 * ``image_grid`` / ``image_tokens``: the processor's real rule for how many
   placeholder tokens an image of a given size expands to (dynamic resolution);
+* ``layout_variant(n_images)``: the **layout variant** of every image of a prompt
+  holding ``n_images`` images, for the families whose processor encodes an image
+  differently by its prompt's image count (LLaVA-OneVision: one square tile per
+  image of a multi-image prompt). ``""`` (``SINGLE_LAYOUT``, every other family's
+  only variant) is the image's form on its own; ``encode_variants`` and
+  ``variant_image_tokens`` take the variant of each image. The variant is part of
+  the image's cache key and travels on every message naming the image;
 * ``check_placeholders``: that the prompt's placeholders match the images;
 * ``position_plan(token_ids, grids)``: position ids of a prompt from its token ids
   and each image's grid (nothing else: the gateway, which has no weights and no
@@ -38,6 +45,9 @@ from typing import Any
 
 import torch
 from PIL import Image
+
+
+SINGLE_LAYOUT = ""   # an image's layout variant on its own, and every image's in a family whose encoding never varies
 
 
 class PositionKind(enum.IntEnum):
@@ -90,6 +100,7 @@ class ModelFamily(ABC):
     name: str
     position_kind: PositionKind = PositionKind.ONE_D
     bidirectional_images: bool = False   # image tokens see their whole run both ways (Gemma 3's token_type_ids mask)
+    layout_variants: tuple[str, ...] = (SINGLE_LAYOUT,)   # every variant ``encode_variants`` accepts
 
     def longest_image_span(self, processor: Any) -> int:
         """The most placeholder tokens one bidirectional image run has (0: none; a chunk grows to it)."""
@@ -111,6 +122,21 @@ class ModelFamily(ABC):
     def encode(self, model: Any, processor: Any, images: Sequence[Image.Image], dtype: torch.dtype,
                device: torch.device) -> list[ImageEmbedding]:
         """Vision tower + projector for RGB ``images`` as one batch: one embedding per image, in order."""
+
+    def layout_variant(self, n_images: int) -> str:
+        """The layout variant of every image of a prompt holding ``n_images`` images (one of
+        ``layout_variants``; the gateway decides it, the workers check the request's against it)."""
+        return SINGLE_LAYOUT
+
+    def encode_variants(self, model: Any, processor: Any, images: Sequence[Image.Image], variants: Sequence[str],
+                        dtype: torch.dtype, device: torch.device) -> list[ImageEmbedding]:
+        """``encode``, image ``i`` in layout variant ``variants[i]`` (each one of ``layout_variants``, checked by
+        the caller). A family with one variant encodes the images as they are."""
+        return self.encode(model, processor, images, dtype, device)
+
+    def variant_image_tokens(self, processor: Any, width: int, height: int, variant: str) -> int:
+        """``image_tokens`` of an image in layout variant ``variant``."""
+        return self.image_tokens(processor, width, height)
 
     def encode_pixels(self, model: Any, pixel_values: torch.Tensor) -> list[ImageEmbedding]:
         """The tower on already preprocessed fixed-size pixels (families whose images need nothing else)."""

@@ -14,14 +14,23 @@ many rows ``[tokens, hidden]``, and the cache key covers the rule's inputs
 preprocessing digest; ``vision_aspect_ratio`` is in ``config.json``, the
 model fingerprint).
 
-**OneVision's multi-image rule is not served.** Given one image list per
-conversation (``batch_num_images`` > 1, as ``apply_chat_template`` passes them),
-the OneVision processor pads each image of a multi-image prompt to a square and
-uses one tile of it; given a flat list it tiles every image. epd hands the
-processor a flat list (the gateway, the encoder, the tests' ``generate()``
-references alike), so every image is tiled, whatever the prompt: one encoder
-output and one cache entry per image. Serving the square-padded form would need
-the prompt's image count in the cache key and on the wire (left for later).
+**OneVision's multi-image form** (the layout variant ``MULTI_IMAGE``). Given one
+conversation's images as one sample (``batch_num_images`` > 1, what
+``apply_chat_template`` passes), the OneVision processor pads each image of a
+multi-image prompt to a square (in the image mean's colour) and resizes it to one
+tile, and the model keeps that tile's features plus one ``image_newline`` row:
+``num_image_tokens + 1`` placeholders whatever the image's size (the processor's
+``replace_image_token``). A prompt with one image tiles it as above. So an image's
+encoding depends on its prompt's image count: ``layout_variant(n)`` is
+``MULTI_IMAGE`` for ``n > 1``, and the variant is in the image's cache key (one
+picture used alone and in a multi-image prompt is two cache entries) and on every
+message naming it (``ImageRef.layout_variant``). ``encode_variants`` runs one
+image-processor call and one ``get_image_features`` call as HF's batch of
+samples: each single-form image a sample of its own, the multi-form images one
+sample (a lone multi-form image goes with a copy of itself, whose output is
+dropped: a sample of one image is the single form). Each multi-form image's
+encoding is its own (square padding, one tile, its newline row), so the entry
+serves that picture in any multi-image prompt.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, LlavaOnevisionProcessor
 
-from .base import ImageEmbedding
+from .base import SINGLE_LAYOUT, ImageEmbedding
 from .image_only_processor import image_only_class, load_image_only_processor
 from .llava import LlavaStyleFamily
 
@@ -48,7 +57,7 @@ class LlavaNextFamily(LlavaStyleFamily):
 
     def encode(self, model: Any, processor: Any, images: Sequence[Image.Image], dtype: torch.dtype,
                device: torch.device) -> list[ImageEmbedding]:
-        # a flat list: every image tiled (its stored form, whatever prompt it is used in)
+        # a flat list: every image tiled (the single-image form; OneVision's other form: encode_variants)
         pixels = processor.image_processor(list(images), return_tensors="pt")
         out = model.get_image_features(pixel_values=pixels["pixel_values"].to(device, dtype),
                                        image_sizes=pixels["image_sizes"].to(device), return_dict=True)
@@ -58,9 +67,13 @@ class LlavaNextFamily(LlavaStyleFamily):
         raise NotImplementedError(f"{self.name} images need their sizes (tiles): use encode()")
 
 
+MULTI_IMAGE = "multi-image"   # an image of a prompt with several: padded to a square, one tile
+
+
 class LlavaOnevisionFamily(LlavaNextFamily):
     name = "LLaVA-OneVision"
     processor_class = image_only_class(LlavaOnevisionProcessor)
+    layout_variants = (SINGLE_LAYOUT, MULTI_IMAGE)
 
     def __init__(self, config: Any, model: Any = None):
         super().__init__(config, model)
@@ -74,3 +87,29 @@ class LlavaOnevisionFamily(LlavaNextFamily):
         if self.video_token_id in token_ids:
             return "video inputs are not supported (the prompt holds video placeholder tokens)"
         return super().check_placeholders(token_ids, images)
+
+    def layout_variant(self, n_images: int) -> str:
+        return MULTI_IMAGE if n_images > 1 else SINGLE_LAYOUT
+
+    def encode_variants(self, model: Any, processor: Any, images: Sequence[Image.Image], variants: Sequence[str],
+                        dtype: torch.dtype, device: torch.device) -> list[ImageEmbedding]:
+        single = [i for i, v in enumerate(variants) if v == SINGLE_LAYOUT]
+        multi = [i for i, v in enumerate(variants) if v == MULTI_IMAGE]
+        samples = [[images[i]] for i in single]
+        if multi:   # one sample of several images: each padded to a square, one tile
+            group = [images[i] for i in multi]
+            samples.append(group if len(group) > 1 else group * 2)
+        pixels = processor.image_processor(samples, return_tensors="pt")
+        out = model.get_image_features(pixel_values=pixels["pixel_values"].to(device, dtype),
+                                       image_sizes=pixels["image_sizes"].to(device),
+                                       batch_num_images=pixels["batch_num_images"], return_dict=True)
+        embeddings: list[ImageEmbedding | None] = [None] * len(images)
+        for i, features in zip(single + multi, out.pooler_output):   # a lone multi-form image's copy: left over
+            embeddings[i] = ImageEmbedding(features.contiguous())
+        return embeddings
+
+    def variant_image_tokens(self, processor: Any, width: int, height: int, variant: str) -> int:
+        if variant == SINGLE_LAYOUT:
+            return self.image_tokens(processor, width, height)
+        # the processor's rule for an image of a multi-image sample (it does not read the image's size)
+        return processor.replace_image_token({"batch_num_images": [2]}, image_idx=0).count(processor.image_token)
