@@ -27,9 +27,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from runtime.model import attention_kernels, families, linear_attention, paged_attention, supported_models
+from runtime.model import attention_kernels, attention_reference, families, linear_attention, paged_attention, supported_models
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from runtime.model.families import ImageEmbedding, PositionKind
+from runtime.model.decoder_kv import decoder_kv, sliding_layout  # noqa: F401 (sliding_layout: the bench reads it here)
 from runtime.model.kv_pool import KVBlockPool, KVLayout
 from runtime.model.packed_batch import DeepStackShare, PackedItem, pack
 from runtime.model.paged_attention import PagedBatch
@@ -95,15 +96,8 @@ class VLMAdapter:
         self.context_length = int(text_config.max_position_embeddings)
         self.image_token_id = self.family.image_token_id
         self.hidden_size = int(text_config.hidden_size)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        kv_layers = self.family.kv_layer_indices()
-        self.kv_layout = KVLayout(
-            layers=len(kv_layers),
-            kv_heads=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads),
-            head_dim=int(head_dim),
-            dtype=next(model.parameters()).dtype,
-            **sliding_layout(text_config),
-        )
+        kv = decoder_kv(text_config, self.family.kv_layer_indices(), next(model.parameters()).dtype)
+        self.kv_layout = kv.layout
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else text_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -113,8 +107,12 @@ class VLMAdapter:
         self._decoder = model.model.language_model if hasattr(model.model, "language_model") else model.get_decoder()
         # hybrid decoders: the KV pool holds the full-attention layers only, the linear ones keep state slots
         self.state_layout = self.family.state_layout(self.kv_layout.dtype)
-        for pool_layer, layer in enumerate(kv_layers):
-            self._decoder.layers[layer].self_attn.epd_kv_layer = pool_layer
+        for layer, pool_layer in kv.pool_layer_of.items():
+            attn = self._decoder.layers[layer].self_attn
+            attn.epd_kv_layer, attn.epd_kv_reused = pool_layer, layer in kv.reused
+        # Gemma 4: each layer also takes an embedding of the token ids (image positions: the pad id)
+        self.per_layer_inputs = bool(getattr(text_config, "hidden_size_per_layer_input", 0))
+        self.pad_token_id = getattr(text_config, "pad_token_id", None)
         if self.state_layout is not None:
             linear_attention.install(self._decoder.layers)
         self._embed_tokens = model.get_input_embeddings()
@@ -274,7 +272,8 @@ class VLMAdapter:
                        states: StateSlotPool | None = None) -> list[torch.Tensor | None]:
         """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
         item's state slot: ``states``); return last-token logits."""
-        row = pack(pool, items, self.family.position_kind, self.device)
+        row = pack(pool, items, self.family.position_kind, self.device,
+                   ring_runs=self.attention_kernel == attention_reference.KERNEL)
         batch = PagedBatch(pool.layer_kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
                            pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)
@@ -359,16 +358,6 @@ class VLMAdapter:
         logits = self.forward_packed(pool, items, states)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]
-
-
-def sliding_layout(text_config) -> dict:
-    """``KVLayout``'s sliding-window fields from the decoder config (empty without sliding layers)."""
-    types = list(getattr(text_config, "layer_types", None) or [])
-    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    window = getattr(text_config, "sliding_window", None)
-    if not sliding or window is None:
-        return {}
-    return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
 def model_fingerprint(path: Path, layout: KVLayout, state=None) -> str:
