@@ -229,7 +229,8 @@ class VLMAdapter:
             deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
         plan = self.family.position_plan(token_ids, [e.grid for e in images])
         spans = tuple(families.image_spans(token_ids, self.image_token_id)) if self.family.bidirectional_images else ()
-        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans)
+        layer_ids = torch.where(mask, self.pad_token_id, ids) if self.per_layer_inputs else None
+        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans, layer_ids)
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput]) -> torch.Tensor:
@@ -277,6 +278,11 @@ class VLMAdapter:
         batch = PagedBatch(pool.layer_kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
                            pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)
+        if self.per_layer_inputs:   # Gemma 4: the decoder adds an embedding of each token id to every layer
+            if any(i.token_ids is None for i in items):
+                raise ValueError("this model's forward needs every item's token ids (per-layer input embeddings)")
+            ids = torch.cat([i.token_ids.to(self.device) for i in items])[None]
+            extra["per_layer_inputs"] = self._decoder.get_per_layer_inputs(ids, row.embeds)
         if row.deepstack is not None:
             extra.update(visual_pos_masks=row.visual_mask, deepstack_visual_embeds=row.deepstack)
         with paged_attention.paged_forward():
@@ -352,9 +358,10 @@ class VLMAdapter:
     def decode_sample(self, pool: KVBlockPool, batch: Sequence[DecodeInput],
                       states: StateSlotPool | None = None) -> list[SampledToken]:
         """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
-        embeds = self.embed_tokens([b.token_id for b in batch])
+        ids = torch.tensor([b.token_id for b in batch], dtype=torch.long)
+        embeds = self.embed_tokens(ids.tolist())
         items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot,
-                            rings=b.rings) for i, b in enumerate(batch)]
+                            rings=b.rings, token_ids=ids[i: i + 1]) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items, states)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]

@@ -59,6 +59,7 @@ class PackedItem:
     key_limits: torch.Tensor | None = None  # [q_len] long: bidirectional image spans (None: causal)
     state_slot: int | None = None           # hybrid decoders: the sequence's state slot (linear_attention)
     rings: list[list[int]] | None = None    # windowed pool: the sequence's ring pages per ring group (kv_pool)
+    token_ids: torch.Tensor | None = None   # [q_len] long: per-layer input embeddings (Gemma 4; images: the pad id)
 
     @property
     def q_len(self) -> int:
