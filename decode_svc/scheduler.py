@@ -61,86 +61,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, sample
+from runtime.model.sampling import SampledToken, SamplingContext, sample
 from runtime.model.state_slots import StateSlotPool
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
-from .request_status import DecodeStatus, finish_reason
-from .reservations import Lease
+from .request_status import DecodeStatus
+from .sequence import Sequence, StepEvent, allowed_mask
 from .step_budget import StepBudget
 
+__all__ = ["DecodeScheduler", "Sequence", "StepEvent"]
+
 log = logging.getLogger("epd.decode")
-
-
-@dataclass(slots=True)
-class StepEvent:
-    token_ids: list[int]
-    end: DecodeStatus | None = None    # the sequence's finished status on its last event
-    detail: str = ""
-    logprobs: list[SampledToken] = field(default_factory=list)   # one per token when the request asked
-    index: int = 0                     # the choice (n > 1) these tokens and this end belong to
-
-    @property
-    def finish_reason(self) -> str | None:
-        return finish_reason(self.end)
-
-
-@dataclass(slots=True, eq=False)  # identity: membership tests must not compare tensors
-class Sequence:
-    request_id: str
-    lease: Lease                       # the reservation generation whose blocks this sequence writes
-    blocks: list[int]
-    prompt_len: int
-    max_tokens: int
-    sampling: SamplingParams
-    rope_delta: int = 0                # M-RoPE offset of every token after the prompt (verified; 0 for 1-D)
-    prompt_ids: list[int] = field(default_factory=list)   # what sampling reads of the prompt (repetition_penalty)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    output: list[int] = field(default_factory=list)       # every token emitted, the first (prefill's) included
-    # colocated prefill state: the prompt still to run, from `prefilled` on
-    prompt: PreparedPrompt | None = None
-    prefilled: int = 0
-    prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
-    first_step_ms: float | None = None
-    matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
-    shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
-    rings: list[list[int]] | None = None   # windowed pool: its own ring pages (sliding-window layers)
-    state_slot: int | None = None      # hybrid decoders: its reservation's linear-attention state slot
-    index: int = 0                     # its choice (n > 1): choices share one events queue, told apart by index
-    forks: list["Sequence"] = field(default_factory=list)   # colocated choice 0: choices forked when its prompt is in
-    ended_by_gateway: bool = False     # n > 1: the gateway ended this choice (its cancellation is no failure)
-    _status: DecodeStatus = field(default=DecodeStatus.RECEIVING, init=False)   # DecodeScheduler moves it
-
-    @property
-    def status(self) -> DecodeStatus:
-        """RECEIVING until the scheduler takes it, then PREFILLING / RUNNING, then a FINISHED_* status."""
-        return self._status
-
-    @property
-    def reservation_id(self) -> str:
-        return self.lease.reservation_id
-
-    @property
-    def kv_written(self) -> int:
-        """Leading positions whose KV completed steps (or the verified transfer) wrote."""
-        return self.prompt_len + len(self.output) - 1 if self.output else self.prefilled
-
-    @property
-    def next_position(self) -> int:
-        """Position of the last sampled token (its KV is written by the next step)."""
-        return self.prompt_len + len(self.output) - 1
-
-
-def _allowed(seq: Sequence):
-    return None if seq.matcher is None else seq.matcher.allowed()
 
 
 class DecodeScheduler:
@@ -361,14 +299,14 @@ class DecodeScheduler:
         for j, (seq, _, end) in enumerate(chunks):
             row = logits[len(decoding) + j]
             first_tokens.append(None if row is None else
-                                [self._sample(s, row, seq.prompt_len, _allowed(seq)) for s in (seq, *seq.forks)])
+                                [self._sample(s, row, seq.prompt_len, allowed_mask(seq)) for s in (seq, *seq.forks)])
         return next_tokens, first_tokens
 
     def _sample(self, seq: Sequence, logits, position: int, allowed=None) -> SampledToken:
         """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far
         (``allowed``: the mask, when not ``seq``'s own matcher's: a fork's first token takes its parent's)."""
         ctx = SamplingContext(seq.prompt_ids, seq.output, self.adapter.eos_token_ids)
-        return sample(logits, seq.sampling, ctx, position, _allowed(seq) if allowed is None else allowed)
+        return sample(logits, seq.sampling, ctx, position, allowed_mask(seq) if allowed is None else allowed)
 
     # -- retirement -------------------------------------------------------------
     def _accept(self, seq: Sequence, sampled: SampledToken) -> bool:

@@ -39,32 +39,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from runtime.model.grammar import GrammarError
 
 from .auth import effective_cache_salt, request_tenant
+from .chat_replies import BREAKDOWN_HEADER, ChatReplies  # noqa: F401 (BREAKDOWN_HEADER: read from here too)
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
 from .choices import Choices
 from .detokenize import IncrementalDetokenizer
 from .errors import ApiError, from_exception, from_validation_error, internal_error_body
 from .generation import Generation
-from .http_io import SSEResponse, ClientDisconnected, read_json_object, sse_event, sse_response, unless_disconnected
+from .http_io import SSEResponse, ClientDisconnected, read_json_object, sse_response, unless_disconnected
 from .images import ImageLoader
 from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
-from .openai_schema import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChunkChoice,
-    Delta,
-    ImagePart,
-    Usage,
-)
+from .openai_schema import ChatCompletionRequest, ImagePart
 from .prompt import BuiltPrompt, PromptBuilder
 from .request_journal import RequestJournal, RequestRecord
 from .sampling_fields import sampling_problem
@@ -76,7 +68,6 @@ log = logging.getLogger("epd.gateway")
 
 TTFT_HEADER = "x-ttft-slo-ms"
 ITL_HEADER = "x-itl-slo-ms"
-BREAKDOWN_HEADER = "x-epd-ttft-breakdown"
 
 
 def parse_slo_header(value: str | None, default_ms: float, name: str, max_ms: float) -> float:
@@ -102,7 +93,7 @@ def failure_reason(error: ApiError) -> str:
     return "client_error"
 
 
-class ChatHandler:
+class ChatHandler(ChatReplies):
     def __init__(self, settings: GatewaySettings, backend: ChatBackend, prompts: PromptBuilder,
                  images: ImageLoader, metrics: HttpMetrics, loop_lag: LoopLagMonitor | None = None,
                  journal: RequestJournal | None = None):
@@ -333,118 +324,6 @@ class ChatHandler:
         error = from_exception(exc)
         self.metrics.failure.labels(reason="internal" if error is None else failure_reason(error)).inc()
         return error
-
-    async def _complete(self, request: Request, chat: ChatCompletionRequest, generation: Generation,
-                        first: TokenEvent, shaper: ReplyShaper = ReplyShaper(None)) -> JSONResponse:
-        async def collect() -> str:
-            return "".join([text async for text in generation.texts(first)])
-
-        try:
-            content = await unless_disconnected(request, collect())
-        finally:
-            await generation.close()
-        logprobs = self.logprob_format.chat(generation.take_logprobs()) if chat.logprobs else None
-        body = ChatCompletion(
-            id=generation.job.request_id,
-            created=int(time.time()),
-            model=chat.model,
-            choices=[Choice(message=shaper.message(content), finish_reason=shaper.finish_reason(generation.finish_reason),
-                            logprobs=logprobs)],
-            usage=self._usage(generation),
-        )
-        headers = {
-            "x-request-id": generation.job.request_id,
-            BREAKDOWN_HEADER: json.dumps(generation.ttft_breakdown, separators=(",", ":")),
-        }
-        return JSONResponse(body.model_dump(mode="json"), headers=headers)
-
-    async def _complete_n(self, request: Request, chat: ChatCompletionRequest, choices: Choices,
-                          shapers: list[ReplyShaper]) -> JSONResponse:
-        try:
-            contents = await unless_disconnected(request, choices.texts())
-        finally:
-            await choices.close()
-        body = ChatCompletion(
-            id=choices.job.request_id, created=int(time.time()), model=chat.model,
-            choices=[Choice(index=i, message=shaper.message(content), finish_reason=shaper.finish_reason(gen.finish_reason),
-                            logprobs=self.logprob_format.chat(gen.take_logprobs()) if chat.logprobs else None)
-                     for i, (gen, shaper, content) in enumerate(zip(choices.gens, shapers, contents))],
-            usage=self._usage(choices),
-        )
-        headers = {"x-request-id": choices.job.request_id,
-                   BREAKDOWN_HEADER: json.dumps(choices.ttft_breakdown, separators=(",", ":"))}
-        return JSONResponse(body.model_dump(mode="json"), headers=headers)
-
-    async def _sse_n(self, chat: ChatCompletionRequest, choices: Choices,
-                     shapers: list[ReplyShaper]) -> AsyncIterator[bytes]:
-        """Each chunk carries one choice's delta with its ``index``, in arrival order; each choice's
-        finish chunk comes when it finishes (the last one carries the TTFT breakdown)."""
-        created = int(time.time())
-
-        def chunk(index: int, delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
-            if chat.continuous_usage:
-                extra.setdefault("usage", self._usage(choices))
-            return sse_event(ChatCompletionChunk(
-                id=choices.job.request_id, created=created, model=chat.model,
-                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)], **extra))
-
-        for index in range(choices.n):
-            yield chunk(index, Delta(role="assistant", content=""))
-        async for index, text in choices.events():
-            gen, shaper = choices.gens[index], shapers[index]
-            samples = gen.take_logprobs()
-            if shaper.parser is not None:
-                for delta in shaper.deltas(text):
-                    yield chunk(index, delta)
-            elif text or samples:
-                yield chunk(index, Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
-            if gen.finish_reason is None:
-                continue
-            for delta in shaper.end_deltas():
-                yield chunk(index, delta)
-            last = choices.finish_reason is not None
-            if last:
-                await choices.close()   # release the backend's hold now, not after the last bytes are sent
-            yield chunk(index, Delta(), shaper.finish_reason(gen.finish_reason),
-                        **({"epd_ttft_breakdown": choices.ttft_breakdown} if last else {}))
-        await choices.close()
-        if chat.include_usage:
-            yield sse_event(ChatCompletionChunk(id=choices.job.request_id, created=created, model=chat.model,
-                                                choices=[], usage=self._usage(choices)))
-
-    @staticmethod
-    def _usage(generation: Generation | Choices) -> Usage:
-        prompt = len(generation.job.token_ids)
-        return Usage(prompt_tokens=prompt, completion_tokens=generation.completion_tokens,
-                     total_tokens=prompt + generation.completion_tokens)
-
-    async def _sse(self, chat: ChatCompletionRequest, generation: Generation, first: TokenEvent,
-                   shaper: ReplyShaper = ReplyShaper(None)) -> AsyncIterator[bytes]:
-        created = int(time.time())
-
-        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
-            if chat.continuous_usage:
-                extra.setdefault("usage", self._usage(generation))
-            body = ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                       choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
-                                       **extra)
-            return sse_event(body)
-
-        yield chunk(Delta(role="assistant", content=""))
-        async for text in generation.texts(first):
-            samples = generation.take_logprobs()
-            if shaper.parser is not None:   # tool calls are read out of the text (no logprobs: refused with tools)
-                for delta in shaper.deltas(text):
-                    yield chunk(delta)
-            elif text or samples:
-                yield chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
-        for delta in shaper.end_deltas():
-            yield chunk(delta)
-        await generation.close()  # release the backend's hold now, not after the last bytes are sent
-        yield chunk(Delta(), shaper.finish_reason(generation.finish_reason), epd_ttft_breakdown=generation.ttft_breakdown)
-        if chat.include_usage:
-            yield sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                                choices=[], usage=self._usage(generation)))
 
     async def guarded_stream(self, generation: Generation | Choices, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """``body``'s events, then ``[DONE]``; an error after the headers goes into the stream as an error
