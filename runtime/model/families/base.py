@@ -90,6 +90,7 @@ class ModelFamily(ABC):
     name: str
     position_kind: PositionKind = PositionKind.ONE_D
     bidirectional_images: bool = False   # image tokens see their whole run both ways (Gemma 3's token_type_ids mask)
+    bidirectional_layer_types: frozenset[str] | None = None   # the layer types where they do (None: every layer)
 
     def __init__(self, config: Any, model: Any = None):
         self.config = config
@@ -123,6 +124,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def image_tokens(self, processor: Any, width: int, height: int) -> int:
         """How many placeholder tokens an image of ``width`` x ``height`` pixels expands to."""
+
+    def longest_image_span(self, processor: Any) -> int | None:
+        """The most placeholders one image's run can have (bidirectional families: the longest chunk a run
+        forces), or ``None`` when the family does not bound it."""
+        return None
 
     # -- storage layout -------------------------------------------------------------
     @abstractmethod

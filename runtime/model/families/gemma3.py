@@ -39,3 +39,6 @@ class Gemma3Family(LlavaStyleFamily):
 
     def image_tokens(self, processor: Any, width: int, height: int) -> int:
         return int(processor.image_seq_length)
+
+    def longest_image_span(self, processor: Any) -> int:
+        return int(processor.image_seq_length)
