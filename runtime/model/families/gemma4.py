@@ -5,7 +5,8 @@ largest size whose sides are multiples of ``pooling_kernel_size * patch_size``
 and that fits ``max_soft_tokens * pooling_kernel_size**2`` patches; the tower
 pools each ``k x k`` patch square into one soft token. So an image is
 ``boi`` + a size-dependent number of ``<|image|>`` placeholders (at most
-``max_soft_tokens``) + ``eoi``, and ``image_tokens`` is the processor's own rule
+``max_soft_tokens``; any size fits: the resize never fails) + ``eoi``, and
+``image_tokens`` is the processor's own rule
 (``Gemma4Processor._get_num_multimodal_tokens``, the same
 ``get_aspect_ratio_preserving_size`` the image processor resizes with).
 ``encode`` runs the model's own ``get_image_features(pixel_values,
