@@ -24,7 +24,7 @@ from runtime.demo_model import cli
 from runtime.demo_model.gemma4 import GLOBAL_HEAD_DIM, GLOBAL_KV_HEADS, HEAD_DIM, KV_HEADS, MAX_SOFT_TOKENS, WINDOW
 from runtime.model import families, supported_models
 from runtime.model.families import EmbeddingFormatError, ImageEmbedding
-from runtime.model.families.gemma4 import Gemma4Family, ImageOnlyGemma4Processor
+from runtime.model.families.gemma4 import Gemma4Family, ImageOnlyGemma4Processor, kv_sharing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
@@ -140,13 +140,14 @@ def test_the_checkpoint_is_the_gemma4_family_and_refused_until_the_language_side
     assert "\n" not in str(refused.value) and "Gemma4ForConditionalGeneration (Gemma 4" not in str(refused.value)
     monkeypatch.setattr(supported_models, "SPLIT_PENDING", {})
     supported_models.check_checkpoint(checkpoint)   # everything else of the checkpoint passes
-    supported_models.check_config(Gemma4Config(vision_config={}))   # and so does the published models' default shape
+    supported_models.check_config(Gemma4Config(vision_config={}))   # and the published models' default shape
     assert isinstance(families.load_processor(checkpoint), transformers.Gemma4Processor)
 
 
 @pytest.mark.parametrize("text, why", [
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "mixture-of-experts"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8},
+     "mixture-of-experts"),
     ({"vocab_size": 1000, "vocab_size_per_layer_input": 500}, "vocab_size_per_layer_input"),
 ])
 def test_gemma4_settings_the_split_does_not_honour_are_refused(monkeypatch, text, why):
@@ -258,3 +259,43 @@ def test_image_spans_are_bidirectional_on_sliding_layers_only(model, family, pro
     assert visible["sliding_attention"][q, e - 1] and not visible["sliding_attention"][q, e]
     assert not visible["sliding_attention"][e - 1, e - 1 - WINDOW]
     assert family.bidirectional_layer_types == {"sliding_attention"}
+    causal_only = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}   # no block overlay at all
+    with torch.inference_mode():
+        assert not torch.allclose(model(**inputs).logits[0, -1], model(**causal_only).logits[0, -1]), "it matters"
+
+
+def test_kv_sharing_layers_attend_over_their_producers_keys_and_values(model, prompts):
+    """Through transformers' own attention call: a "reuse" layer gets exactly its producer's K/V; the K/V
+    shapes are ``per_layer_config``'s (kv_heads, head_dim); the scaling passed is 1.0."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    calls = {}
+
+    def probe(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        calls[module.layer_idx] = (key, value, scaling, kwargs.get("sliding_window"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("epd_gemma4_probe", probe)
+    AttentionMaskInterface.register("epd_gemma4_probe", sdpa_mask)   # the masks sdpa gets
+    text = model.config.get_text_config()
+    inputs, _, _ = prompts["one-image"]
+    text._attn_implementation = "epd_gemma4_probe"
+    try:
+        with torch.inference_mode():
+            probed = model(**inputs).logits
+    finally:
+        text._attn_implementation = "sdpa"
+    with torch.inference_mode():
+        torch.testing.assert_close(probed, model(**inputs).logits, rtol=0, atol=0)
+    sharing = kv_sharing(text)
+    assert sharing == {5: 3, 6: 3, 7: 4} and all(text.kv_sharing_modes[p] == "store" for p in sharing.values())
+    for layer, (key, value, scaling, window) in calls.items():
+        shape = (text.per_layer_config[layer].num_key_value_heads, text.per_layer_config[layer].head_dim)
+        assert (key.shape[1], key.shape[3]) == shape and value.shape == key.shape and scaling == 1.0
+        assert window == (WINDOW if text.layer_types[layer] == "sliding_attention" else None)
+        if layer in sharing:
+            producer = calls[sharing[layer]]
+            assert key is producer[0] and value is producer[1], f"layer {layer} reuses layer {sharing[layer]}"
+    assert not torch.equal(calls[4][0], calls[4][1]), "attention_k_eq_v: values are normed keys without RoPE"

@@ -206,7 +206,8 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
         return "attention logit soft-capping is not supported"
     bidirectional = getattr(text, "use_bidirectional_attention", False)
     if bidirectional and not (bidirectional == "vision" and family.bidirectional):   # "vision": image tokens only
-        return f"bidirectional attention over text tokens (use_bidirectional_attention={bidirectional!r}) is not supported"
+        return (f"bidirectional attention over text tokens (use_bidirectional_attention={bidirectional!r}) "
+                "is not supported")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     allowed = {"full_attention"}
     allowed |= {"sliding_attention"} if family.sliding else set()

@@ -1,4 +1,4 @@
-"""Gemma 4: variable-size images (aspect ratio kept, a budget of soft tokens), bidirectional on sliding layers, 1-D RoPE.
+"""Gemma 4: variable-size images (aspect ratio kept, a soft-token budget), bidirectional on sliding layers, 1-D RoPE.
 
 The Gemma 4 image processor resizes an image, keeping its aspect ratio, to the
 largest size whose sides are multiples of ``pooling_kernel_size * patch_size``
@@ -121,6 +121,20 @@ class Gemma4Family(LlavaStyleFamily):
         token (``Gemma4Model.forward``: ``llm_input_ids`` with ``multimodal_mask`` set to ``pad_token_id``)."""
         placeholders, pad = self.placeholder_ids, self.pad_token_id
         return [pad if t in placeholders else int(t) for t in token_ids]
+
+
+def kv_sharing(text_config: Any) -> dict[int, int]:
+    """Each KV-sharing layer -> the layer whose K/V it attends over (``Gemma4TextConfig.kv_sharing_modes``).
+
+    The last ``num_kv_shared_layers`` layers ("reuse") compute no K/V: each takes, through the
+    forward's ``shared_kv_states[layer_type]``, the K/V of the last earlier layer of its own type
+    (that layer is "store"), with its own query, window and mask. Empty when nothing is shared.
+    """
+    modes = text_config.kv_sharing_modes
+    types = text_config.layer_types
+    first = int(text_config.num_hidden_layers) - int(text_config.num_kv_shared_layers)
+    producers = {kind: max(i for i in range(first) if types[i] == kind) for kind in set(types[first:])}
+    return {i: producers[types[i]] for i, mode in enumerate(modes) if mode == "reuse"}
 
 
 def _optional_id(config: Any, name: str) -> int | None:
