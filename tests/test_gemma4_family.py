@@ -113,7 +113,7 @@ def test_the_chat_template_follows_gemma4(processor):
 
 
 # -- the checkpoint --------------------------------------------------------------------
-def test_the_checkpoint_has_what_makes_gemma4_different(model):
+def test_the_checkpoint_has_what_makes_gemma4_different(model, processor):
     text = model.config.get_text_config()
     modes = text.kv_sharing_modes
     assert {"store", "reuse"} <= set(modes)
@@ -128,6 +128,12 @@ def test_the_checkpoint_has_what_makes_gemma4_different(model):
     assert model.config.audio_config is None and model.model.audio_tower is None
     layers = model.model.language_model.layers
     assert all(not hasattr(layers[i].self_attn, "k_proj") for i, m in enumerate(modes) if m == "reuse")
+    config, tokenizer = model.config, processor.tokenizer
+    assert (config.image_token_id, config.video_token_id, config.audio_token_id) == (
+        processor.image_token_id, processor.video_token_id, processor.audio_token_id)
+    assert (config.boi_token_id, config.eoi_token_id) == tuple(tokenizer.convert_tokens_to_ids([processor.boi_token,
+                                                                                               processor.eoi_token]))
+    assert len(tokenizer) == text.vocab_size == text.vocab_size_per_layer_input   # the processor added no token
 
 
 def test_the_checkpoint_is_the_gemma4_family_and_refused_until_the_language_side_serves_it(checkpoint, model,
