@@ -136,16 +136,12 @@ def test_the_checkpoint_has_what_makes_gemma4_different(model, processor):
     assert len(tokenizer) == text.vocab_size == text.vocab_size_per_layer_input   # the processor added no token
 
 
-def test_the_checkpoint_is_the_gemma4_family_and_refused_until_the_language_side_serves_it(checkpoint, model,
-                                                                                          monkeypatch):
+def test_the_checkpoint_is_the_gemma4_family_and_served(checkpoint, model):
     family = families.family_for(AutoConfig.from_pretrained(checkpoint))
     assert isinstance(family, Gemma4Family) and family.bidirectional_images
     assert family.bidirectional_layer_types == {"sliding_attention"}
-    with pytest.raises(supported_models.UnsupportedModel, match="not through the split yet") as refused:
-        supported_models.check_checkpoint(checkpoint)
-    assert "\n" not in str(refused.value) and "Gemma4ForConditionalGeneration (Gemma 4" not in str(refused.value)
-    monkeypatch.setattr(supported_models, "SPLIT_PENDING", {})
-    supported_models.check_checkpoint(checkpoint)   # everything else of the checkpoint passes
+    supported_models.check_checkpoint(checkpoint)
+    assert "Gemma 4" in supported_models.supported_list()
     supported_models.check_config(Gemma4Config(vision_config={}))   # and the published models' default shape
     assert isinstance(families.load_processor(checkpoint), transformers.Gemma4Processor)
 
@@ -156,8 +152,7 @@ def test_the_checkpoint_is_the_gemma4_family_and_refused_until_the_language_side
      "mixture-of-experts"),
     ({"vocab_size": 1000, "vocab_size_per_layer_input": 500}, "vocab_size_per_layer_input"),
 ])
-def test_gemma4_settings_the_split_does_not_honour_are_refused(monkeypatch, text, why):
-    monkeypatch.setattr(supported_models, "SPLIT_PENDING", {})
+def test_gemma4_settings_the_split_does_not_honour_are_refused(text, why):
     config = Gemma4Config(text_config=text, vision_config={})
     config.architectures = ["Gemma4ForConditionalGeneration"]
     with pytest.raises(supported_models.UnsupportedModel, match=why):

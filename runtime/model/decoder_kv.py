@@ -43,8 +43,9 @@ def sliding_layout(text_config, layers: list[int] | None = None) -> dict:
     return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
-def _producers(text_config, kv_layers: list[int]) -> dict[int, int]:
-    """Reusing decoder layer -> the decoder layer whose KV it reads."""
+def kv_producers(text_config, kv_layers: list[int]) -> dict[int, int]:
+    """Reusing decoder layer (of ``kv_layers``) -> the decoder layer whose KV it reads: the last earlier
+    "store" layer of its type (``Gemma4TextConfig.kv_sharing_modes``); empty when nothing is shared."""
     modes = list(getattr(text_config, "kv_sharing_modes", None) or [])
     if "reuse" not in modes:
         return {}
@@ -71,7 +72,7 @@ def _shape(text_config, layer: int) -> tuple[int, int]:
 
 
 def decoder_kv(text_config, kv_layers: list[int], dtype: torch.dtype) -> KVPlan:
-    producers = _producers(text_config, kv_layers)
+    producers = kv_producers(text_config, kv_layers)
     own = [l for l in kv_layers if l not in producers]
     pool_layer_of = {l: i for i, l in enumerate(own)}
     pool_layer_of.update({l: pool_layer_of[p] for l, p in producers.items()})

@@ -47,7 +47,8 @@ ImageInput = torch.Tensor | ImageEmbedding   # a stored embedding (the encoder c
 
 @dataclass(slots=True)
 class KVChunk:
-    """KV of prompt positions ``start..end`` for every layer: ``[layers, 2, end-start, kv_heads, head_dim]``."""
+    """KV of prompt positions ``start..end`` for every layer: ``[layers, 2, end-start, kv_heads, head_dim]``, or,
+    when layers differ in size (Gemma 4), the per-layer wire form (flat bytes, ``KVBlockPool.read_wire``)."""
 
     index: int
     start: int
@@ -107,9 +108,12 @@ class VLMAdapter:
         self._decoder = model.model.language_model if hasattr(model.model, "language_model") else model.get_decoder()
         # hybrid decoders: the KV pool holds the full-attention layers only, the linear ones keep state slots
         self.state_layout = self.family.state_layout(self.kv_layout.dtype)
+        types = list(getattr(text_config, "layer_types", None) or [])
+        wide = self.family.bidirectional_layer_types   # layer types where images attend both ways (None: all)
         for layer, pool_layer in kv.pool_layer_of.items():
             attn = self._decoder.layers[layer].self_attn
             attn.epd_kv_layer, attn.epd_kv_reused = pool_layer, layer in kv.reused
+            attn.epd_causal_images = wide is not None and layer < len(types) and types[layer] not in wide
         # Gemma 4: each layer also takes an embedding of the token ids (image positions: the pad id)
         self.per_layer_inputs = bool(getattr(text_config, "hidden_size_per_layer_input", 0))
         self.pad_token_id = getattr(text_config, "pad_token_id", None)
@@ -229,7 +233,9 @@ class VLMAdapter:
             deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
         plan = self.family.position_plan(token_ids, [e.grid for e in images])
         spans = tuple(families.image_spans(token_ids, self.image_token_id)) if self.family.bidirectional_images else ()
-        layer_ids = torch.where(mask, self.pad_token_id, ids) if self.per_layer_inputs else None
+        layer_ids = None
+        if self.per_layer_inputs:   # every placeholder looks up the pad token (Gemma4Model.forward)
+            layer_ids = torch.tensor(self.family.per_layer_token_ids(token_ids), dtype=torch.long, device=self.device)
         return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans, layer_ids)
 
     @torch.inference_mode()
@@ -342,7 +348,9 @@ class VLMAdapter:
                 item.state_slot = slot
                 (logits,) = self.forward_packed(pool, [item], states)
                 state = states.read(slot) if slot is not None and end == n else None
-                yield KVChunk(index, start, end, pool.read(blocks, start, end, rings).clone(), state)
+                kv = (pool.read(blocks, start, end, rings) if self.kv_layout.uniform
+                      else pool.read_wire(blocks, start, end, [start] * self.kv_layout.layers, rings))
+                yield KVChunk(index, start, end, kv.clone(), state)
                 index, start = index + 1, end
             first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
             yield FirstToken(first.token_id, prompt.rope_delta, first)

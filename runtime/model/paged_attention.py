@@ -56,10 +56,12 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
         slot_mapping = batch.slot_mapping_of(group)
         k_pool[slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
         v_pool[slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+    causal_only = getattr(module, "epd_causal_images", False)   # Gemma 4: images bidirectional on sliding layers only
     if batch.kernel == attention_reference.KERNEL:
-        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window, group)
+        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window, group, causal_only)
     else:
-        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window, group)
+        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window, group,
+                                       causal_only)
     return out.unsqueeze(0), None
 
 

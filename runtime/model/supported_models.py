@@ -122,10 +122,7 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
 
 # family name -> why a family whose processor, vision tower and placeholder rule are in place cannot serve yet
 # (the language side is missing): refused at start-up with this reason; the entry goes when the split serves it
-SPLIT_PENDING: Mapping[str, str] = {
-    "Gemma 4": ("the language side is not through the split yet (per-layer head sizes and KV-head counts, "
-                "KV sharing between layers, per-layer input embeddings)"),
-}
+SPLIT_PENDING: Mapping[str, str] = {}
 
 # "proportional" (Gemma 4's full layers): a static table in which only a fraction of the dimensions rotate
 STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "proportional", "yarn"})

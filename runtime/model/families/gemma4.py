@@ -130,11 +130,9 @@ def kv_sharing(text_config: Any) -> dict[int, int]:
     forward's ``shared_kv_states[layer_type]``, the K/V of the last earlier layer of its own type
     (that layer is "store"), with its own query, window and mask. Empty when nothing is shared.
     """
-    modes = text_config.kv_sharing_modes
-    types = text_config.layer_types
-    first = int(text_config.num_hidden_layers) - int(text_config.num_kv_shared_layers)
-    producers = {kind: max(i for i in range(first) if types[i] == kind) for kind in set(types[first:])}
-    return {i: producers[types[i]] for i, mode in enumerate(modes) if mode == "reuse"}
+    from runtime.model.decoder_kv import kv_producers
+
+    return kv_producers(text_config, list(range(int(text_config.num_hidden_layers))))
 
 
 def _optional_id(config: Any, name: str) -> int | None:
