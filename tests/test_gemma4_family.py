@@ -5,9 +5,8 @@ different: sliding (window 12) and full layers interleaved, two attention shapes
 (2 x 16 sliding, 1 x 32 full), KV-shared layers of both types, per-layer input
 embeddings, bidirectional image spans, final logit soft-capping, variable-size images.
 The reference is the loaded model's own ``generate()`` / forward on the processor's
-output; the split's language side is not through yet (``supported_models.SPLIT_PENDING``),
-so these tests pin what the language side must reproduce: the spliced rows, the
-per-layer inputs, the masks.
+output; these tests pin what the split's language side reproduces (``tests/test_gemma4_split.py``):
+the spliced rows, the per-layer inputs, the masks.
 """
 
 from __future__ import annotations

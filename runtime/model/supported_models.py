@@ -32,11 +32,7 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   position ids) only for the families marked ``mrope``.
 
 A new family adds a ``Family`` entry, its ``ModelFamily`` and its tests;
-``KNOWN_UNSUPPORTED`` only gives a better reason for families we know we lack,
-and ``SPLIT_PENDING`` refuses a family whose processor, tower and placeholder
-rule are in place (its ``ModelFamily`` loads and encodes) while its language
-side is not through the split yet (Gemma 4, until the KV layout and the adapter
-serve its per-layer head shapes, KV sharing and per-layer input embeddings).
+``KNOWN_UNSUPPORTED`` only gives a better reason for families we know we lack.
 Video inputs are not served by any family (prompts holding video placeholders
 are refused per request; video-only architectures are refused here).
 """
@@ -120,17 +116,13 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "pixtral": "variable-size image features need image_sizes",
 }
 
-# family name -> why a family whose processor, vision tower and placeholder rule are in place cannot serve yet
-# (the language side is missing): refused at start-up with this reason; the entry goes when the split serves it
-SPLIT_PENDING: Mapping[str, str] = {}
-
 # "proportional" (Gemma 4's full layers): a static table in which only a fraction of the dimensions rotate
 STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "proportional", "yarn"})
 MROPE_ROPE_TYPES = frozenset({"default", "mrope"})   # "mrope": the legacy rope_scaling type of Qwen2-VL
 
 
 def supported_list() -> str:
-    return "; ".join(f.describe() for f in FAMILIES if f.name not in SPLIT_PENDING)
+    return "; ".join(f.describe() for f in FAMILIES)
 
 
 def check_checkpoint(path: str | Path) -> None:
@@ -156,8 +148,7 @@ def check_config(config: PretrainedConfig, image_processor: Mapping[str, Any] | 
     """Raise ``UnsupportedModel`` unless ``config`` (and the image processor's settings) fit a family."""
     family = family or family_of(config.to_dict())
     problem = (_vision_problem(config, family) or _decoder_problem(config, family)
-               or (_gemma4_problem(config) if family.model_type == "gemma4" else None)
-               or SPLIT_PENDING.get(family.name))
+               or (_gemma4_problem(config) if family.model_type == "gemma4" else None))
     if problem is None and image_processor and image_processor.get("crop_to_patches"):
         problem = "image processor crop_to_patches=true (multi-tile images) is not supported; set it to false"
     if problem is None and image_processor and image_processor.get("do_pan_and_scan"):
