@@ -144,8 +144,9 @@ class KVReceiver:
         return self.pool.layout.wire_bytes(chunk.token_start, chunk.token_end, chunk.sliding_from)
 
     def layer_from(self, chunk: pb.KVChunk) -> list[int] | None:
-        """Per layer the first position the (admitted) chunk carries; ``None``: every layer, the whole span."""
-        if chunk.sliding_from <= chunk.token_start:
+        """Per layer the first position the (admitted) chunk carries; ``None``: every layer, the whole span, as
+        one dense tensor (layers of different sizes always travel in the per-layer form)."""
+        if chunk.sliding_from <= chunk.token_start and self.pool.layout.uniform:
             return None
         return self.pool.layout.layer_from(chunk.token_start, chunk.token_end, chunk.sliding_from)
 

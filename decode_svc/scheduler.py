@@ -62,6 +62,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
@@ -282,9 +284,11 @@ class DecodeScheduler:
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         items: list[PackedItem] = []
         if decoding:
-            embeds = self.adapter.embed_tokens([s.output[-1] for s in decoding])
+            ids = torch.tensor([s.output[-1] for s in decoding], dtype=torch.long)
+            embeds = self.adapter.embed_tokens(ids.tolist())
             items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta,
-                                 state_slot=s.state_slot, rings=s.rings) for i, s in enumerate(decoding)]
+                                 state_slot=s.state_slot, rings=s.rings, token_ids=ids[i: i + 1])
+                      for i, s in enumerate(decoding)]
         for seq, start, end in chunks:
             item = seq.prompt.item(start, end, seq.blocks, rings=seq.rings)
             item.state_slot = seq.state_slot

@@ -115,6 +115,9 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         self.timings = TimingLog()
         # hybrid decoders: one linear-attention state slot per reservation, beside its blocks
         self.states = adapter.new_state_slots(2 * max_batch)
+        longest = max(prefill_chunk_tokens, adapter.longest_image_span)   # what one colocated step writes at most
+        if pool.groups.windowed and pool.window_chunk < longest:
+            raise ValueError(f"the KV pool's rings hold {pool.window_chunk}-token chunks; this worker's steps write up to {longest}")
         self.table = ReservationTable(pool, lease_margin_s, max_lease_s, states=self.states)
         self.prefix = PrefixCacheCounters()
         self.rope_delta = RopeDeltaRule(adapter.family.position_kind)

@@ -190,7 +190,7 @@ class PrefillScheduler:
     def _read(self, job: PrefillJob, start: int, end: int) -> torch.Tensor:
         """The chunk's wire bytes: dense, or with sliding layers trimmed to the window decode needs."""
         sliding_from = self._sliding_from(job)
-        if sliding_from <= start:
+        if sliding_from <= start and self.pool.layout.uniform:
             return self.pool.read(job.blocks, start, end, job.rings)
         return self.pool.read_wire(job.blocks, start, end, self.pool.layout.layer_from(start, end, sliding_from), job.rings)
 

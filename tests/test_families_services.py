@@ -1,4 +1,4 @@
-"""LLaVA-OneVision, LLaVA-NeXT, Idefics3, SmolVLM and Gemma 3 through the services (issue 18): real processes, real gRPC.
+"""LLaVA-OneVision, LLaVA-NeXT, Idefics3, SmolVLM, Gemma 3 and Gemma 4 through the services (issue 18): real processes, real gRPC.
 
 Per family (a module-scoped stack, torn down before the next family's): the tiny
 random checkpoint (``epd demo-model --family``'s builder), one encoder, one decode
@@ -24,13 +24,14 @@ from leaks import LeakCheck
 from qwen_vl_cases import image_runs
 
 from runtime.demo_model.gemma3 import build_gemma3
+from runtime.demo_model.gemma4 import build_gemma4
 from runtime.demo_model.idefics3 import SplitFamily, build_idefics3
 from runtime.demo_model.llava_anyres import AnyResFamily, build_llava_anyres
 
 pytestmark = pytest.mark.timeout(300)
 
 BUILDERS = {**{f.value: build_llava_anyres for f in AnyResFamily}, **{f.value: build_idefics3 for f in SplitFamily},
-            "gemma3": build_gemma3}
+            "gemma3": build_gemma3, "gemma4": build_gemma4}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -60,11 +61,11 @@ async def test_output_is_token_identical_to_generate(stack, leaks, placement, ch
         assert any(s < b < e for s, e in runs for b in range(chunk_tokens, len(three), chunk_tokens))
 
 
-async def test_gemma3_decode_keeps_the_window_only(stack, leaks):
-    """Gemma 3's decode worker keeps its sliding layers in rings (``EPD_SLIDING_WINDOW_KV`` on by default):
+async def test_sliding_models_keep_the_window_only(stack, leaks):
+    """A sliding-window model's decode worker (Gemma 3, Gemma 4) keeps its sliding layers in rings (``EPD_SLIDING_WINDOW_KV`` on by default):
     it reports them, has no prefix cache, and a long prompt's reservation takes fewer blocks than dense."""
-    if stack.adapter.family.name != "Gemma 3":
-        pytest.skip("the sliding-window pool is Gemma 3's")
+    if not stack.adapter.kv_layout.sliding_layers:
+        pytest.skip("the sliding-window pool is for models with sliding layers (Gemma 3 and 4)")
     from runtime.policy.placement_policy import kv_blocks_needed
 
     stats = leaks._stats("decode", stack.worker("decode"))
@@ -79,11 +80,11 @@ async def test_gemma3_decode_keeps_the_window_only(stack, leaks):
 
 
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
-async def test_gemma3_choices_fork_their_rings(stack, leaks, placement):
-    """n = 2 greedy on Gemma 3: each choice forks the prompt's KV, its own copy of the rings included
+async def test_sliding_models_choices_fork_their_rings(stack, leaks, placement):
+    """n = 2 greedy on Gemma 3 and Gemma 4: each choice forks the prompt's KV, its own copy of the rings included
     (a ring is written by every step, so sharing one would mix the choices): two copies of generate()."""
-    if stack.adapter.family.name != "Gemma 3":
-        pytest.skip("the sliding-window pool is Gemma 3's")
+    if not stack.adapter.kv_layout.sliding_layers:
+        pytest.skip("the sliding-window pool is for models with sliding layers (Gemma 3 and 4)")
     async with orchestrator(stack, placement, 7, leaks) as o:
         for name in ("one-image", "three-images"):
             r = stack.requests[name]

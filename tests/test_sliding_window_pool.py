@@ -209,3 +209,12 @@ def test_a_batch_of_wrapping_rings_equals_the_loop(adapter, prompts):
             adapter.attention_kernel = "sdpa_padded"
     assert results["sdpa_padded"] == results[attention_reference.KERNEL]
     assert results["sdpa_padded"] == [p.reference[1] for p in prompts.values()]
+
+
+def test_a_chunk_longer_than_the_rings_allow_is_refused_not_corrupted(adapter, prompts):
+    p = prompts["three-images"]
+    pool = decode_pool(adapter, chunk=1)          # rings for decode steps only
+    blocks, rings = pool.allocate_sequence(len(p.ids))
+    prepared = adapter.prepare(p.ids, p.embeddings)
+    with pytest.raises(ValueError, match="window_chunk"):
+        adapter.forward_packed(pool, [prepared.item(0, len(p.ids), blocks, rings=rings)])

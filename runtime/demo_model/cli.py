@@ -1,5 +1,5 @@
 """``epd demo-model``: build the shipped demo VLM (trained), the bench config (random), or a tiny
-random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm|gemma3|qwen3_5``,
+random-weight checkpoint of another family (``--family qwen2_vl|qwen2_5_vl|qwen3_vl|llava_onevision|llava_next|idefics3|smolvlm|gemma3|gemma4|qwen3_5``,
 for tests)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from transformers import LlavaForConditionalGeneration
 
 from .build import build_config, build_processor
 from .gemma3 import build_gemma3
+from .gemma4 import build_gemma4
 from .idefics3 import SplitFamily, build_idefics3
 from .llava_anyres import AnyResFamily, build_llava_anyres
 from .qwen3_5 import FAMILY as QWEN3_5, build_qwen3_5
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bench", action="store_true", help="random-weight ~150M-parameter, 8k-context config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=["llava", *(f.value for f in QwenFamily), *(f.value for f in AnyResFamily),
-                                              *(f.value for f in SplitFamily), "gemma3", QWEN3_5], default="llava",
+                                              *(f.value for f in SplitFamily), "gemma3", "gemma4", QWEN3_5], default="llava",
                         help="llava: the demo model (trained) or --bench; others: a tiny random-weight test checkpoint")
     args = parser.parse_args(argv)
     if args.family != "llava" and args.bench:
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> int:
     if args.family != "llava":
         builder = (build_llava_anyres if args.family in {f.value for f in AnyResFamily}
                    else build_gemma3 if args.family == "gemma3"
+                   else build_gemma4 if args.family == "gemma4"
                    else build_idefics3 if args.family in {f.value for f in SplitFamily}
                    else build_qwen3_5 if args.family == QWEN3_5 else build_qwen_vl)
         builder(args.family, args.out, seed=args.seed)

@@ -52,6 +52,7 @@ class AttentionGroup:
     q_limits: torch.Tensor     # [B, Q] long: the last key position each query sees (its position when causal)
     max_ctx: int               # the longest context (keys past it are never visible)
     block_size: int
+    bidirectional: bool = False       # some query sees past its position (an image span)
     one_runs: list[int | None] = field(default_factory=list)  # per group, B == 1 with consecutive pages: the first (no gather)
     kernel_state: dict[Any, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
 
@@ -67,16 +68,25 @@ class AttentionGroup:
     def max_q(self) -> int:
         return int(self.q_index.shape[1])
 
-    def window_mask(self, window: int | None) -> torch.Tensor | None:
+    def limits(self, causal_only: bool = False) -> torch.Tensor:
+        """The last key each query sees: ``q_limits``, or its own position on a layer where images are causal."""
+        return self.q_positions if causal_only else self.q_limits
+
+    def window_mask(self, window: int | None, causal_only: bool = False) -> torch.Tensor | None:
         """The mask of a layer with sliding ``window`` (``None``: a full-attention layer, ``self.mask``).
-        A window no context reaches past changes nothing, so the plain mask (or causal path) is kept."""
-        if window is None or self.max_ctx <= window:
+        A window no context reaches past changes nothing, so the plain mask (or causal path) is kept.
+        ``causal_only``: a layer where image tokens attend causally (Gemma 4's full layers)."""
+        causal_only = causal_only and self.bidirectional
+        if (window is None or self.max_ctx <= window) and not causal_only:
             return self.mask
-        key = ("window", window)
+        key = ("window", window, causal_only)
         mask = self.kernel_state.get(key)
         if mask is None:
             keys = torch.arange(self.tables[0].shape[1] * self.block_size, device=self.q_limits.device)
-            mask = _visible(keys, self.q_limits, self.ctx_lens)
+            mask = _visible(keys, self.limits(causal_only), self.ctx_lens)
+            if window is None or self.max_ctx <= window:
+                mask = self.kernel_state[key] = mask.unsqueeze(1)
+                return mask
             mask &= keys[None, None, :] > (self.q_positions - window)[:, :, None]
             mask = self.kernel_state[key] = mask.unsqueeze(1)
         return mask
@@ -145,7 +155,7 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
     return AttentionGroup(
         q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
         tables=[t.to(device) for t in tables], ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
-        q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, one_runs=one_runs,
+        q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, bidirectional=bidirectional, one_runs=one_runs,
     )
 
 

@@ -76,10 +76,11 @@ def group_queries(query: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     return query[0][:, group.q_index].transpose(0, 1)
 
 
-def sdpa_padded(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None) -> torch.Tensor:
+def sdpa_padded(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None,
+                causal_only: bool = False) -> torch.Tensor:
     b, heads, q_len, dim = q.shape
     kv_heads = k.shape[1]
-    full = group.window_mask(window)
+    full = group.window_mask(window, causal_only)
     if q_len == 1 and full is not None:
         # decodes: the G query heads sharing a KV head become G query rows of that head (one query
         # position, so one mask row serves them all); no K/V expansion for GQA
@@ -98,14 +99,15 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def flex(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None) -> torch.Tensor:
+def flex(q, k, v, group: AttentionGroup, scaling: float | None, window: int | None = None,
+         causal_only: bool = False) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     window = None if window is None or group.max_ctx <= window else window
-    key = ("block_mask", window)
+    key = ("block_mask", window, causal_only)
     block_mask = group.kernel_state.get(key)
     if block_mask is None or block_mask.shape[-1] != k.shape[2]:
-        ctx_lens, q_limits, q_positions = group.ctx_lens, group.q_limits, group.q_positions
+        ctx_lens, q_limits, q_positions = group.ctx_lens, group.limits(causal_only), group.q_positions
 
         def visible(b, h, q_idx, kv_idx):
             seen = (kv_idx <= q_limits[b, q_idx]) & (kv_idx < ctx_lens[b])
@@ -118,15 +120,17 @@ def flex(q, k, v, group: AttentionGroup, scaling: float | None, window: int | No
 
 
 def attend(kernel: str, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-           groups: list[AttentionGroup], scaling: float | None, window: int | None = None, table: int = 0) -> torch.Tensor:
+           groups: list[AttentionGroup], scaling: float | None, window: int | None = None, table: int = 0,
+           causal_only: bool = False) -> torch.Tensor:
     """``[T, H, D]``: every group's queries attended in one call each, scattered back to packed rows
-    (``window``: the layer's sliding window, ``None`` for full attention; ``table``: the layer's page group)."""
+    (``window``: the layer's sliding window, ``None`` for full attention; ``table``: the layer's page group;
+    ``causal_only``: image spans attend causally on this layer)."""
     fn = flex if kernel == "flex_attention" else sdpa_padded
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     for group in groups:
         q = group_queries(query, group)
         k = gather_context(k_blocks, group, q.dtype, "k", table)
         v = gather_context(v_blocks, group, q.dtype, "v", table)
-        o = fn(q, k, v, group, scaling, window).transpose(1, 2)            # [B, Q, H, D]
+        o = fn(q, k, v, group, scaling, window, causal_only).transpose(1, 2)            # [B, Q, H, D]
         out[group.out_index] = o[group.q_valid]
     return out

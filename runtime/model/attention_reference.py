@@ -23,7 +23,8 @@ def _context(pool: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def attend_loop(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: list[SequenceSpan],
-                scaling: float | None, window: int | None = None, group: int = 0) -> torch.Tensor:
+                scaling: float | None, window: int | None = None, group: int = 0,
+                causal_only: bool = False) -> torch.Tensor:
     """``[T, H, D]``; ``k_pool``/``v_pool`` are flat ``[slots, KVH, D]``. A query at position ``p``
     sees key ``s`` when ``s <= p`` (or ``s <= key_limit``, a bidirectional image span) and, on a
     sliding layer (``window``), ``s > p - window``. ``group``: the layer's page group (0, or a ring
@@ -32,17 +33,18 @@ def attend_loop(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     for span in spans:
         q = query[:, :, span.q_offset: span.q_offset + span.q_len]          # [1, H, q, D]
         runs = span.context_runs if group == 0 else span.ring_runs[group - 1]
+        key_limit = None if causal_only else span.key_limit
         k = _context(k_pool, runs).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
         v = _context(v_pool, runs).transpose(0, 1).unsqueeze(0).to(q.dtype)
         ctx_len = k.shape[2]
         windowed = window is not None and ctx_len > window
-        if span.key_limit is None and not windowed and span.q_len == 1:
+        if key_limit is None and not windowed and span.q_len == 1:
             o = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)
-        elif span.key_limit is None and not windowed and span.q_len == ctx_len:
+        elif key_limit is None and not windowed and span.q_len == ctx_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             q_pos = torch.arange(ctx_len - span.q_len, ctx_len, device=q.device)
-            limit = q_pos if span.key_limit is None else torch.maximum(span.key_limit.to(q.device), q_pos)
+            limit = q_pos if key_limit is None else torch.maximum(key_limit.to(q.device), q_pos)
             keys = torch.arange(ctx_len, device=q.device)[None, :]
             mask = keys <= limit[:, None]
             if windowed:

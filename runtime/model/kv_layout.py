@@ -29,7 +29,13 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What one token's KV looks like; also the cache-format part of the fingerprint."""
+    """What one token's KV looks like; also the cache-format part of the fingerprint.
+
+    ``layer_shapes`` (Gemma 4: global layers with other head sizes and KV-head counts than
+    sliding ones): per layer ``(kv_heads, head_dim)``; empty means every layer is ``kv_heads``
+    x ``head_dim``. A pool slot holds ``slot_elems`` values per layer, K and V each (the
+    largest layer's; a smaller layer uses the first ``layer_elems(l)`` of them), and the wire
+    carries each layer's own size only (``wire_bytes``)."""
 
     layers: int
     kv_heads: int
@@ -37,20 +43,54 @@ class KVLayout:
     dtype: torch.dtype
     sliding_layers: tuple[int, ...] = ()   # layers with a sliding window (the rest attend to every position)
     sliding_window: int | None = None      # W: a sliding layer at position p reads keys p-W+1..p
+    layer_shapes: tuple[tuple[int, int], ...] = ()   # per layer (kv_heads, head_dim); () = all the same
+
+    def __post_init__(self) -> None:
+        if self.layer_shapes and len(self.layer_shapes) != self.layers:
+            raise ValueError(f"{len(self.layer_shapes)} layer shapes for {self.layers} layers")
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer has the same ``(kv_heads, head_dim)`` (then a wire chunk is one dense tensor)."""
+        return all(s == (self.kv_heads, self.head_dim) for s in self.layer_shapes)
+
+    def shape(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s ``(kv_heads, head_dim)``."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.kv_heads, self.head_dim)
+
+    def layer_elems(self, layer: int) -> int:
+        heads, dim = self.shape(layer)
+        return heads * dim
+
+    @property
+    def slot_elems(self) -> int:
+        """Values per layer per position (K or V) in a pool slot: the largest layer's."""
+        return max(self.layer_elems(l) for l in range(self.layers))
+
+    @property
+    def storage_shape(self) -> tuple[int, int]:
+        """The pool tensor's last two dims: ``(kv_heads, head_dim)``, or ``(1, slot_elems)`` when layers differ."""
+        return (self.kv_heads, self.head_dim) if self.uniform else (1, self.slot_elems)
+
+    def layer_bytes(self, layer: int) -> int:
+        """Layer ``layer``'s K and V of one position on the wire."""
+        return 2 * self.layer_elems(layer) * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return sum(self.layer_bytes(l) for l in range(self.layers))
 
     @property
     def layer_token_bytes(self) -> int:
-        """One layer's K and V of one position."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        """One layer's K and V of one position in a pool slot (the largest layer's when layers differ)."""
+        return 2 * self.slot_elems * self.dtype.itemsize
 
     def describe(self) -> str:
         base = f"L{self.layers}xKV{self.kv_heads}xD{self.head_dim}:{str(self.dtype).removeprefix('torch.')}"
         if self.sliding_layers:
             base += f":W{self.sliding_window}@{','.join(map(str, self.sliding_layers))}"
+        if not self.uniform:
+            base += ":shapes=" + ",".join(f"{h}x{d}" for h, d in self.layer_shapes)
         return base
 
     def window_from(self, prompt_tokens: int) -> int:
@@ -66,7 +106,7 @@ class KVLayout:
 
     def wire_bytes(self, start: int, end: int, sliding_from: int = 0) -> int:
         """Bytes of positions ``start..end`` on the wire (sliding layers from ``sliding_from``)."""
-        return sum(end - f for f in self.layer_from(start, end, sliding_from)) * self.layer_token_bytes
+        return sum((end - f) * self.layer_bytes(l) for l, f in enumerate(self.layer_from(start, end, sliding_from)))
 
 
 

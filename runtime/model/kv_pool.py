@@ -1,13 +1,17 @@
 """A KV block pool: one preallocated tensor, handed out in fixed-size blocks.
 
-Layout::
+Layout (``kv_layout.PageGroups``; addressing and copies in ``kv_pool_io``)::
 
-    kv[layer, k_or_v, block, offset_in_block, kv_head, head_dim]
+    kv[page_slot, k_or_v, block, offset_in_block, kv_head, head_dim]
 
-A token at position ``p`` of a sequence whose block table is ``blocks`` lives in
+``page_slot`` is the layer on a dense pool (every layer in every block); on a windowed
+pool a block holds ``page_layers`` layers of one page group (below). Layers of
+different sizes (Gemma 4) share the tensor as ``[..., 1, slot_elems]``, each using
+the first ``layer_elems`` values (``layer_kv``: per-layer views). A token at position ``p`` of a sequence whose block table is ``blocks`` lives in
 flat slot ``blocks[p // block_size] * block_size + p % block_size``. A KV chunk
-on the wire is ``[layers, 2, tokens, kv_heads, head_dim]``: exactly the pool's
-per-slot layout, so landing a chunk is one indexed copy into the pool.
+on the wire is ``[layers, 2, tokens, kv_heads, head_dim]``: on a dense pool of
+one layer size exactly the per-slot layout, so landing a chunk is one indexed copy
+into the pool; otherwise the per-layer wire form (``read_wire``) is used.
 
 Ownership: ``allocate`` hands blocks to exactly one caller and tags every one of
 them with that caller's **owner token** (a number never reused in the pool's life);
@@ -82,9 +86,12 @@ class KVBlockPool(KVPoolIO):
         self.window_chunk = window_chunk if self.groups.windowed else None
         if self.groups.windowed and prefix_cache:
             raise ValueError("a pool that keeps only the sliding window cannot cache prefixes")
-        g = self.groups.page_layers
-        self.kv = torch.zeros((g, 2, num_blocks, block_size, layout.kv_heads, layout.head_dim), dtype=layout.dtype, device=device)
-        self._flat = self.kv.view(g, 2, num_blocks * block_size, layout.kv_heads, layout.head_dim)
+        g, storage = self.groups.page_layers, layout.storage_shape
+        self.kv = torch.zeros((g, 2, num_blocks, block_size, *storage), dtype=layout.dtype, device=device)
+        self._flat = self.kv.view(g, 2, num_blocks * block_size, *storage)
+        # per model layer: its K/V blocks [2, blocks, block_size, kv_heads, head_dim] and flat slots [2, slots, elems]
+        self.layer_kv = [self._layer_view(layer) for layer in range(layout.layers)]
+        self._lflat = [view.flatten(3).flatten(1, 2) for view in self.layer_kv]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owner = [FREE] * num_blocks      # owner token per block
         self._tokens = itertools.count(FREE + 1)

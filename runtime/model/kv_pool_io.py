@@ -76,14 +76,24 @@ class KVPoolIO:
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv.device)
 
-    def _layer_homes(self) -> list[tuple[int, int]]:
-        """Per model layer ``(group, slot)``."""
-        return list(zip(self.groups.group_of, self.groups.slot_of))
+    def _layer_view(self, layer: int) -> torch.Tensor:
+        """``[2, blocks, block_size, kv_heads, head_dim]`` of model layer ``layer`` (a view: its slot of its
+        group's pages; when layers differ in size, the first ``layer_elems`` values of each position)."""
+        kv = self.kv[self.groups.slot_of[layer]]
+        if self.layout.uniform:
+            return kv
+        heads, dim = self.layout.shape(layer)
+        return kv[..., 0, : heads * dim].unflatten(-1, (heads, dim))
+
+    def _dense_only(self, what: str) -> None:
+        if not self.layout.uniform:
+            raise ValueError(f"{what}: layers of different sizes have no dense chunk form; use the wire form")
 
     # -- copies -----------------------------------------------------------------
     def write(self, blocks: list[int], start: int, chunk: torch.Tensor, *, owner: int, rings: Rings | None = None) -> None:
         """Land a wire chunk ``[layers, 2, n, kv_heads, head_dim]`` at positions ``start..start+n``,
         only while the sequence's pages belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
+        self._dense_only("write")
         self.check_owner(self.owned_pages(blocks, rings), owner)
         chunk = chunk.to(self.kv.device, self.kv.dtype)
         end = start + chunk.shape[2]
@@ -100,6 +110,7 @@ class KVPoolIO:
 
     def read(self, blocks: list[int], start: int, end: int, rings: Rings | None = None) -> torch.Tensor:
         """Copy out positions ``start..end`` as a wire chunk ``[layers, 2, n, kv_heads, head_dim]``."""
+        self._dense_only("read")
         out = self.kv.new_empty((self.layout.layers, 2, end - start, self.layout.kv_heads, self.layout.head_dim))
         for g, runs in enumerate(self.group_runs(blocks, rings, start, end)):
             layers = self.groups.layers_in(g)
@@ -114,8 +125,9 @@ class KVPoolIO:
 
     @property
     def host_resident(self) -> bool:
-        """Whether the pool lives in host memory, so sockets can write into it directly."""
-        return self.kv.device.type == "cpu"
+        """Whether sockets can write into the pool directly: in host memory, and every layer's slots
+        contiguous (layers of different sizes leave gaps: their chunks are staged, then written)."""
+        return self.kv.device.type == "cpu" and self.layout.uniform
 
     def _layer_runs(self, blocks: list[int], rings: Rings | None, end: int, layer_from: list[int]) -> list[list[Run]]:
         """Per model layer, the runs of its positions ``layer_from[l]..end`` in its group's table."""
@@ -156,10 +168,10 @@ class KVPoolIO:
         """Positions ``start..end`` in the trimmed wire form (flat bytes; layer ``l`` from ``layer_from[l]``)."""
         out = []   # per layer its K positions then its V positions: the order host_views gives
         for layer, runs in enumerate(self._layer_runs(blocks, rings, end, layer_from)):
-            first, home = layer_from[layer], self.groups.slot_of[layer]
-            piece = self._flat.new_empty((2, end - first, self.layout.kv_heads, self.layout.head_dim))
+            first, flat = layer_from[layer], self._lflat[layer]
+            piece = flat.new_empty((2, end - first, flat.shape[-1]))
             for pos, slot, length in runs:
-                piece[:, pos - first: pos - first + length] = self._flat[home, :, slot: slot + length]
+                piece[:, pos - first: pos - first + length] = flat[:, slot: slot + length]
             out.append(piece.reshape(-1))
         return torch.cat(out).view(torch.uint8)
 
@@ -169,15 +181,14 @@ class KVPoolIO:
         pages belong to ``owner`` (``StaleBlocksError`` otherwise, nothing written)."""
         self.check_owner(self.owned_pages(blocks, rings), owner)
         values = payload.to(self.kv.device).view(self.kv.dtype)
-        per_pos = self.layout.kv_heads * self.layout.head_dim
         cursor = 0
         for layer, runs in enumerate(self._layer_runs(blocks, rings, end, layer_from)):
-            n, home = end - layer_from[layer], self.groups.slot_of[layer]
-            first = layer_from[layer]
-            piece = values[cursor: cursor + 2 * n * per_pos].view(2, n, self.layout.kv_heads, self.layout.head_dim)
+            first, flat = layer_from[layer], self._lflat[layer]
+            n, per_pos = end - first, flat.shape[-1]
+            piece = values[cursor: cursor + 2 * n * per_pos].view(2, n, per_pos)
             cursor += 2 * n * per_pos
             for pos, slot, length in runs:
-                self._flat[home, :, slot: slot + length] = piece[:, pos - first: pos - first + length]
+                flat[:, slot: slot + length] = piece[:, pos - first: pos - first + length]
 
     def copy_block(self, src: int, dst: int, *, owner: int) -> None:
         """Copy page ``src`` (every slot, K and V) into ``dst``, only while ``dst`` belongs to ``owner``

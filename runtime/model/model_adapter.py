@@ -27,9 +27,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from runtime.model import attention_kernels, families, linear_attention, paged_attention, supported_models
+from runtime.model import attention_kernels, attention_reference, families, linear_attention, paged_attention, supported_models
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from runtime.model.families import ImageEmbedding, PositionKind
+from runtime.model.decoder_kv import decoder_kv, sliding_layout  # noqa: F401 (sliding_layout: the bench reads it here)
 from runtime.model.kv_pool import KVBlockPool, KVLayout
 from runtime.model.packed_batch import DeepStackShare, PackedItem, pack
 from runtime.model.paged_attention import PagedBatch
@@ -46,7 +47,8 @@ ImageInput = torch.Tensor | ImageEmbedding   # a stored embedding (the encoder c
 
 @dataclass(slots=True)
 class KVChunk:
-    """KV of prompt positions ``start..end`` for every layer: ``[layers, 2, end-start, kv_heads, head_dim]``."""
+    """KV of prompt positions ``start..end`` for every layer: ``[layers, 2, end-start, kv_heads, head_dim]``, or,
+    when layers differ in size (Gemma 4), the per-layer wire form (flat bytes, ``KVBlockPool.read_wire``)."""
 
     index: int
     start: int
@@ -95,15 +97,8 @@ class VLMAdapter:
         self.context_length = int(text_config.max_position_embeddings)
         self.image_token_id = self.family.image_token_id
         self.hidden_size = int(text_config.hidden_size)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        kv_layers = self.family.kv_layer_indices()
-        self.kv_layout = KVLayout(
-            layers=len(kv_layers),
-            kv_heads=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads),
-            head_dim=int(head_dim),
-            dtype=next(model.parameters()).dtype,
-            **sliding_layout(text_config),
-        )
+        kv = decoder_kv(text_config, self.family.kv_layer_indices(), next(model.parameters()).dtype)
+        self.kv_layout = kv.layout
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else text_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -113,8 +108,15 @@ class VLMAdapter:
         self._decoder = model.model.language_model if hasattr(model.model, "language_model") else model.get_decoder()
         # hybrid decoders: the KV pool holds the full-attention layers only, the linear ones keep state slots
         self.state_layout = self.family.state_layout(self.kv_layout.dtype)
-        for pool_layer, layer in enumerate(kv_layers):
-            self._decoder.layers[layer].self_attn.epd_kv_layer = pool_layer
+        types = list(getattr(text_config, "layer_types", None) or [])
+        wide = self.family.bidirectional_layer_types   # layer types where images attend both ways (None: all)
+        for layer, pool_layer in kv.pool_layer_of.items():
+            attn = self._decoder.layers[layer].self_attn
+            attn.epd_kv_layer, attn.epd_kv_reused = pool_layer, layer in kv.reused
+            attn.epd_causal_images = wide is not None and layer < len(types) and types[layer] not in wide
+        # Gemma 4: each layer also takes an embedding of the token ids (image positions: the pad id)
+        self.per_layer_inputs = bool(getattr(text_config, "hidden_size_per_layer_input", 0))
+        self.pad_token_id = getattr(text_config, "pad_token_id", None)
         if self.state_layout is not None:
             linear_attention.install(self._decoder.layers)
         self._embed_tokens = model.get_input_embeddings()
@@ -231,7 +233,10 @@ class VLMAdapter:
             deepstack = torch.cat([e.deepstack.to(self.device, embeds.dtype) for e in images], dim=1)
         plan = self.family.position_plan(token_ids, [e.grid for e in images])
         spans = tuple(families.image_spans(token_ids, self.image_token_id)) if self.family.bidirectional_images else ()
-        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans)
+        layer_ids = None
+        if self.per_layer_inputs:   # every placeholder looks up the pad token (Gemma4Model.forward)
+            layer_ids = torch.tensor(self.family.per_layer_token_ids(token_ids), dtype=torch.long, device=self.device)
+        return PreparedPrompt(embeds, plan, mask if deepstack is not None else None, deepstack, spans, layer_ids)
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int], image_embeddings: Sequence[ImageInput]) -> torch.Tensor:
@@ -274,10 +279,16 @@ class VLMAdapter:
                        states: StateSlotPool | None = None) -> list[torch.Tensor | None]:
         """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
         item's state slot: ``states``); return last-token logits."""
-        row = pack(pool, items, self.family.position_kind, self.device)
-        batch = PagedBatch(pool.kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
+        row = pack(pool, items, self.family.position_kind, self.device,
+                   ring_runs=self.attention_kernel == attention_reference.KERNEL)
+        batch = PagedBatch(pool.layer_kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
                            pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)
+        if self.per_layer_inputs:   # Gemma 4: the decoder adds an embedding of each token id to every layer
+            if any(i.token_ids is None for i in items):
+                raise ValueError("this model's forward needs every item's token ids (per-layer input embeddings)")
+            ids = torch.cat([i.token_ids.to(self.device) for i in items])[None]
+            extra["per_layer_inputs"] = self._decoder.get_per_layer_inputs(ids, row.embeds)
         if row.deepstack is not None:
             extra.update(visual_pos_masks=row.visual_mask, deepstack_visual_embeds=row.deepstack)
         with paged_attention.paged_forward():
@@ -337,7 +348,9 @@ class VLMAdapter:
                 item.state_slot = slot
                 (logits,) = self.forward_packed(pool, [item], states)
                 state = states.read(slot) if slot is not None and end == n else None
-                yield KVChunk(index, start, end, pool.read(blocks, start, end, rings).clone(), state)
+                kv = (pool.read(blocks, start, end, rings) if self.kv_layout.uniform
+                      else pool.read_wire(blocks, start, end, [start] * self.kv_layout.layers, rings))
+                yield KVChunk(index, start, end, kv.clone(), state)
                 index, start = index + 1, end
             first = sample(logits, sampling, SamplingContext(list(token_ids), (), self.eos_token_ids), n)
             yield FirstToken(first.token_id, prompt.rope_delta, first)
@@ -353,22 +366,13 @@ class VLMAdapter:
     def decode_sample(self, pool: KVBlockPool, batch: Sequence[DecodeInput],
                       states: StateSlotPool | None = None) -> list[SampledToken]:
         """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
-        embeds = self.embed_tokens([b.token_id for b in batch])
+        ids = torch.tensor([b.token_id for b in batch], dtype=torch.long)
+        embeds = self.embed_tokens(ids.tolist())
         items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot,
-                            rings=b.rings) for i, b in enumerate(batch)]
+                            rings=b.rings, token_ids=ids[i: i + 1]) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items, states)
         return [sample(l, b.sampling, SamplingContext(b.prompt_ids, b.output_ids, self.eos_token_ids), b.position + 1)
                 for l, b in zip(logits, batch)]
-
-
-def sliding_layout(text_config) -> dict:
-    """``KVLayout``'s sliding-window fields from the decoder config (empty without sliding layers)."""
-    types = list(getattr(text_config, "layer_types", None) or [])
-    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    window = getattr(text_config, "sliding_window", None)
-    if not sliding or window is None:
-        return {}
-    return {"sliding_layers": sliding, "sliding_window": int(window)}
 
 
 def model_fingerprint(path: Path, layout: KVLayout, state=None) -> str:

@@ -59,6 +59,7 @@ class PackedItem:
     key_limits: torch.Tensor | None = None  # [q_len] long: bidirectional image spans (None: causal)
     state_slot: int | None = None           # hybrid decoders: the sequence's state slot (linear_attention)
     rings: list[list[int]] | None = None    # windowed pool: the sequence's ring pages per ring group (kv_pool)
+    token_ids: torch.Tensor | None = None   # [q_len] long: per-layer input embeddings (Gemma 4; images: the pad id)
 
     @property
     def q_len(self) -> int:
@@ -101,18 +102,35 @@ def _new_slots(context: list[tuple[int, int, int]], start: int, out: list[int]) 
             out.extend(range(slot + max(0, start - pos), slot + length))
 
 
-def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, device: torch.device) -> PackedRow:
+def _check_ring(pool: KVBlockPool, item: PackedItem) -> None:
+    """The ring invariant (``kv_pool``): what this forward reads of a ring never shares a slot with what it writes."""
+    end = item.start + item.q_len
+    need = min(end, pool.layout.sliding_window + item.q_len - 1)
+    for ring in item.rings or ():
+        if len(ring) * pool.block_size < need:
+            raise ValueError(f"a ring of {len(ring)} blocks cannot hold a {item.q_len}-token chunk and its window "
+                             f"({need} positions): the pool's window_chunk is smaller than this forward's chunk")
+
+
+def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, device: torch.device,
+         ring_runs: bool = False) -> PackedRow:
+    """``ring_runs``: also list each ring's whole context as runs (only the reference loop reads them)."""
     spans, new_slots, positions, offset = [], [], [], 0
     ring_slots: list[list[int]] = [[] for _ in range(pool.groups.window_groups)]
     masks, levels, any_deepstack = [], [], False
     for item in items:
         q_len, end = item.q_len, item.start + item.q_len
-        context, *rings = pool.group_runs(item.blocks, item.rings, 0, end)
-        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits,
-                                  [[(slot, length) for _, slot, length in ring] for ring in rings]))
+        context = pool.runs(item.blocks, 0, end)
+        runs = []
+        if pool.groups.windowed:
+            _check_ring(pool, item)
+            tables = pool.tables(item.blocks, item.rings)[1:]
+            for ring, out in zip(tables, ring_slots):   # the new tokens' slots: their runs only
+                _new_slots(pool.table_runs(ring, item.start, end, ring=True), item.start, out)
+            if ring_runs:
+                runs = [[(s, n) for _, s, n in pool.table_runs(ring, 0, end, ring=True)] for ring in tables]
+        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits, runs))
         _new_slots(context, item.start, new_slots)
-        for ring, out in zip(rings, ring_slots):
-            _new_slots(ring, item.start, out)
         positions.append(item_positions(item, kind))
         if item.deepstack is not None and item.deepstack.levels.shape[1]:
             any_deepstack = True

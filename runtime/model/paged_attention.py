@@ -10,7 +10,10 @@ Packed layout: all sequences' new tokens are concatenated into one row
 ``[1, T]``. ``slot_mapping[t]`` is the flat pool slot of new token ``t``;
 ``context_runs[i]`` lists sequence ``i``'s whole context, ending with its new
 tokens, as runs of adjacent slots. Invariant: the new tokens are the last
-``q_len`` of the context.
+``q_len`` of the context. On a windowed pool (``kv_pool``) a sliding layer's page
+group has its own ``ring_slot_mappings`` entry and ``SequenceSpan.ring_runs``
+(``PagedBatch.group(layer)`` says which); a layer that reads another layer's KV
+(``epd_kv_reused``, Gemma 4) writes nothing.
 
 Attention runs for many sequences in one call: ``PagedBatch.groups`` (built once per
 forward by ``packed_batch.pack``) holds the decodes as one group and the prompt chunks
@@ -44,18 +47,21 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     # query [1, H, T, D]; key/value [1, KVH, T, D] (RoPE already applied)
     layer = getattr(module, "epd_kv_layer", module.layer_idx)   # hybrid decoders: the pool holds attention layers only
-    group, slot = batch.home(layer)     # a windowed pool keeps sliding layers in ring pages (kv_pool)
+    group = batch.group(layer)     # a windowed pool keeps sliding layers in ring pages (kv_pool)
     kv_heads, head_dim = key.shape[1], key.shape[3]
-    k_blocks, v_blocks = batch.kv[slot, 0], batch.kv[slot, 1]       # [blocks, block_size, KVH, D]
+    k_blocks, v_blocks = batch.layer_kv[layer]       # [blocks, block_size, KVH, D] each
     k_pool = k_blocks.view(-1, kv_heads, head_dim)
     v_pool = v_blocks.view(-1, kv_heads, head_dim)
-    slot_mapping = batch.slot_mapping_of(group)
-    k_pool[slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
-    v_pool[slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+    if not getattr(module, "epd_kv_reused", False):   # a layer reading another's KV (Gemma 4) writes nothing
+        slot_mapping = batch.slot_mapping_of(group)
+        k_pool[slot_mapping] = key[0].transpose(0, 1).to(k_pool.dtype)
+        v_pool[slot_mapping] = value[0].transpose(0, 1).to(v_pool.dtype)
+    causal_only = getattr(module, "epd_causal_images", False)   # Gemma 4: images bidirectional on sliding layers only
     if batch.kernel == attention_reference.KERNEL:
-        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window, group)
+        out = attention_reference.attend_loop(query, k_pool, v_pool, batch.spans, scaling, window, group, causal_only)
     else:
-        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window, group)
+        out = attention_kernels.attend(batch.kernel, query, k_blocks, v_blocks, batch.groups, scaling, window, group,
+                                       causal_only)
     return out.unsqueeze(0), None
 
 

@@ -21,17 +21,17 @@ class SequenceSpan:
 
 @dataclass(slots=True)
 class PagedBatch:
-    kv: torch.Tensor             # [page_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    layer_kv: list[torch.Tensor]  # per KV layer [2, num_blocks, block_size, kv_heads, head_dim] (KVBlockPool.layer_kv)
     slot_mapping: torch.Tensor   # [T] long: where each new token's K/V is written (page group 0)
     spans: list[SequenceSpan]
     groups: list[AttentionGroup] = field(default_factory=list)  # decodes, prompt chunks: one call each
     kernel: str = "sdpa_padded"  # attention_kernels.KERNELS, or attention_reference.KERNEL
-    groups_of: PageGroups | None = None   # the pool's layer -> (page group, slot) map (None: dense, layer = slot)
+    groups_of: PageGroups | None = None   # the pool's layer -> page group map (None: dense, one group)
     ring_slot_mappings: list[torch.Tensor] = field(default_factory=list)  # per ring group, as slot_mapping
 
-    def home(self, layer: int) -> tuple[int, int]:
-        """``(page group, slot)`` of KV layer ``layer``."""
-        return (0, layer) if self.groups_of is None else (self.groups_of.group_of[layer], self.groups_of.slot_of[layer])
+    def group(self, layer: int) -> int:
+        """The page group of KV layer ``layer`` (0 on a dense pool)."""
+        return 0 if self.groups_of is None else self.groups_of.group_of[layer]
 
     def slot_mapping_of(self, group: int) -> torch.Tensor:
         return self.slot_mapping if group == 0 else self.ring_slot_mappings[group - 1]

@@ -35,6 +35,7 @@ class PreparedPrompt:
     image_mask: torch.Tensor | None = None   # [T] bool: image placeholder positions (when DeepStack is used)
     deepstack: torch.Tensor | None = None    # [levels, image tokens, hidden], in prompt order
     image_spans: tuple[tuple[int, int], ...] = ()   # bidirectional image runs (never cut by a chunk)
+    token_ids: torch.Tensor | None = None    # [T]: for per-layer input embeddings (Gemma 4), image positions as pad
     _images_before: torch.Tensor | None = field(default=None, init=False, repr=False)
     _key_limits: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -89,4 +90,5 @@ class PreparedPrompt:
             if any(s < end and e > start for s, e in self.image_spans):
                 limits = self._key_limits[start:end]
         return PackedItem(self.embeds[start:end], start, blocks, end == len(self) if want_logits is None else want_logits,
-                          positions=positions, deepstack=share, key_limits=limits, rings=rings)
+                          positions=positions, deepstack=share, key_limits=limits, rings=rings,
+                          token_ids=None if self.token_ids is None else self.token_ids[start:end])

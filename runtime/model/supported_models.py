@@ -24,7 +24,8 @@ What the split needs (ARCHITECTURE.md "The split", docs/models.md), per family i
   (per-sequence state slots) between them (no cross-attention; no sliding window
   shorter than the context, nor bidirectional image tokens, except for the
   families marked ``sliding`` and ``bidirectional``, whose layers are
-  ``full_attention`` / ``sliding_attention``; no attention logit
+  ``full_attention`` / ``sliding_attention``, and whose decoder may set
+  ``use_bidirectional_attention="vision"`` (image tokens only); no attention logit
   soft-capping), and RoPE with a static frequency table (no sequence-length-dependent
   "dynamic"/"longrope" scaling, whose frequencies would change with what else is
   packed into a step): 1-D for most families, M-RoPE (``mrope_section``, 3-D
@@ -90,6 +91,8 @@ FAMILIES: tuple[Family, ...] = (
            frozenset({"pixtral"}), frozenset({"mistral"}), processor_needs="torchvision"),
     Family("Gemma 3", "Gemma3ForConditionalGeneration", "gemma3",
            frozenset({"siglip_vision_model"}), frozenset({"gemma3_text"}), sliding=True, bidirectional=True),
+    Family("Gemma 4", "Gemma4ForConditionalGeneration", "gemma4",
+           frozenset({"gemma4_vision"}), frozenset({"gemma4_text"}), sliding=True, bidirectional=True),
     Family("Qwen2-VL", "Qwen2VLForConditionalGeneration", "qwen2_vl",
            frozenset({"qwen2_vl_vision"}), frozenset({"qwen2_vl_text"}), mrope=True),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -102,7 +105,6 @@ FAMILIES: tuple[Family, ...] = (
 
 # model_type -> why not (yet): only for a clearer message
 KNOWN_UNSUPPORTED: Mapping[str, str] = {
-    "gemma4": "not yet through the split (its own vision tower, per-layer input embeddings)",
     "paligemma": "the image prefix needs bidirectional attention",
     "llava_next_video": "video inputs",
     "qwen3_vl_moe": "mixture-of-experts decoder not tested through the split",
@@ -114,7 +116,8 @@ KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "pixtral": "variable-size image features need image_sizes",
 }
 
-STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# "proportional" (Gemma 4's full layers): a static table in which only a fraction of the dimensions rotate
+STATIC_1D_ROPE_TYPES = frozenset({"default", "linear", "llama3", "proportional", "yarn"})
 MROPE_ROPE_TYPES = frozenset({"default", "mrope"})   # "mrope": the legacy rope_scaling type of Qwen2-VL
 
 
@@ -144,7 +147,8 @@ def check_config(config: PretrainedConfig, image_processor: Mapping[str, Any] | 
                  family: Family | None = None) -> None:
     """Raise ``UnsupportedModel`` unless ``config`` (and the image processor's settings) fit a family."""
     family = family or family_of(config.to_dict())
-    problem = _vision_problem(config, family) or _decoder_problem(config, family)
+    problem = (_vision_problem(config, family) or _decoder_problem(config, family)
+               or (_gemma4_problem(config) if family.model_type == "gemma4" else None))
     if problem is None and image_processor and image_processor.get("crop_to_patches"):
         problem = "image processor crop_to_patches=true (multi-tile images) is not supported; set it to false"
     if problem is None and image_processor and image_processor.get("do_pan_and_scan"):
@@ -188,8 +192,10 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
         return "cross-attention layers are not supported"
     if getattr(text, "attn_logit_softcapping", None):
         return "attention logit soft-capping is not supported"
-    if getattr(text, "use_bidirectional_attention", False):
-        return "bidirectional attention over text tokens (use_bidirectional_attention) is not supported"
+    bidirectional = getattr(text, "use_bidirectional_attention", False)
+    if bidirectional and not (bidirectional == "vision" and family.bidirectional):   # "vision": image tokens only
+        return (f"bidirectional attention over text tokens (use_bidirectional_attention={bidirectional!r}) "
+                "is not supported")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     allowed = {"full_attention"}
     allowed |= {"sliding_attention"} if family.sliding else set()
@@ -215,6 +221,19 @@ def _decoder_problem(config: PretrainedConfig, family: Family) -> str | None:
             return "M-RoPE (mrope_section) position ids are not supported"
         if rope_type not in STATIC_1D_ROPE_TYPES:
             return f"rope_type {rope_type!r} is not supported (only {'/'.join(sorted(STATIC_1D_ROPE_TYPES))})"
+    return None
+
+
+def _gemma4_problem(config: PretrainedConfig) -> str | None:
+    """What of a Gemma 4 checkpoint the split does not honour (beyond the generic decoder checks)."""
+    text = config.get_text_config()
+    if getattr(text, "enable_moe_block", False):
+        return "mixture-of-experts decoder layers (enable_moe_block) are not tested through the split"
+    if (getattr(text, "hidden_size_per_layer_input", 0)
+            and int(getattr(text, "vocab_size_per_layer_input", text.vocab_size)) < int(text.vocab_size)):
+        # the per-layer embedding is looked up with every token id: larger ids would fail the request
+        return (f"vocab_size_per_layer_input {text.vocab_size_per_layer_input} < vocab_size {text.vocab_size} "
+                "(tokens without a per-layer input embedding) is not supported")
     return None
 
 

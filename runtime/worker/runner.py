@@ -56,7 +56,9 @@ def kv_pool_for(adapter: VLMAdapter, settings: WorkerSettings, *, prefix_cache: 
     forward writes (a prompt chunk, or an image span the chunker keeps whole), with no prefix cache."""
     from runtime.model.kv_pool import KVBlockPool
 
-    windowed = settings.sliding_window_kv and bool(adapter.kv_layout.sliding_layers)
+    from runtime.model.kv_layout import PageGroups
+
+    windowed = PageGroups.for_layout(adapter.kv_layout, settings.sliding_window_kv).windowed
     chunk = max(settings.prefill_chunk_tokens, adapter.longest_image_span) if windowed else None
     return KVBlockPool.from_memory_budget(adapter.kv_layout, settings.kv_memory_mb * 2**20, settings.kv_block_size,
                                           device=settings.device, prefix_cache=prefix_cache and not windowed,

@@ -20,6 +20,7 @@ from runtime.model import supported_models
 from .base import (SINGLE_LAYOUT, EmbeddingFormatError, ImageEmbedding, ModelFamily, PositionKind, PositionPlan,
                    image_spans)
 from .gemma3 import Gemma3Family
+from .gemma4 import Gemma4Family
 from .idefics3 import Idefics3Family, SmolVLMFamily
 from .llava import LlavaStyleFamily
 from .llava_anyres import LlavaNextFamily, LlavaOnevisionFamily
@@ -36,6 +37,7 @@ IMPLEMENTATIONS: dict[str, type[ModelFamily]] = {
     "SmolVLM": SmolVLMFamily,
     "Mistral 3": Mistral3Family,
     "Gemma 3": Gemma3Family,
+    "Gemma 4": Gemma4Family,
     "Qwen2-VL": QwenVLFamily,
     "Qwen2.5-VL": Qwen25VLFamily,
     "Qwen3-VL": Qwen3VLFamily,

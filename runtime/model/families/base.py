@@ -100,6 +100,7 @@ class ModelFamily(ABC):
     name: str
     position_kind: PositionKind = PositionKind.ONE_D
     bidirectional_images: bool = False   # image tokens see their whole run both ways (Gemma 3's token_type_ids mask)
+    bidirectional_layer_types: frozenset[str] | None = None   # the layer types where they do (None: every layer)
     layout_variants: tuple[str, ...] = (SINGLE_LAYOUT,)   # every variant ``encode_variants`` accepts
 
     def longest_image_span(self, processor: Any) -> int:
