@@ -49,7 +49,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.cache = cache
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
-        self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint)
+        self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint,
+                                  linear_kernel=adapter.linear_kernel)
         self.in_flight = 0
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first

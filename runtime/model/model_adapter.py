@@ -27,7 +27,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from runtime.model import attention_kernels, attention_reference, families, linear_attention, paged_attention, supported_models
+from runtime.model import (attention_kernels, attention_reference, families, linear_attention, linear_kernels,
+                           paged_attention, supported_models)
 from runtime.model.errors import AdapterInputError, ImagePlaceholderMismatch, InvalidImage, PromptTooLong, TooManyImages
 from runtime.model.families import ImageEmbedding, PositionKind
 from runtime.model.decoder_kv import decoder_kv, sliding_layout  # noqa: F401 (sliding_layout: the bench reads it here)
@@ -81,14 +82,19 @@ class VLMAdapter:
     """Owns the loaded model and processor; all methods are inference-only."""
 
     def __init__(self, model, processor, *, device: str = "cpu", max_images: int = 8, max_image_pixels: int = 4096 * 4096,
-                 attention_kernel: str = "auto"):
+                 attention_kernel: str = "auto", linear_kernel: str = "auto"):
         """``max_images``: a worker passes ``limit_images_per_request`` (default 8, the same as here).
         ``attention_kernel``: ``auto`` or one of ``attention_kernels.KERNELS``, fixed here at start-up
-        (``self.attention_kernel`` names the choice; tests may set ``attention_reference.KERNEL``)."""
+        (``self.attention_kernel`` names the choice; tests may set ``attention_reference.KERNEL``).
+        ``linear_kernel``: ``auto`` or one of ``linear_kernels.KERNELS``, installed here into every
+        linear layer of ``model`` (``generate()`` runs it too)."""
         self.model = model.eval()
         self.processor = processor
         self.device = torch.device(device)
         self.attention_kernel = attention_kernels.select_kernel(self.device, attention_kernel)
+        kernel = linear_kernels.select_kernel(self.device, linear_kernel)
+        # what the linear layers run: a model with none large enough for oneDNN keeps torch's
+        self.linear_kernel = kernel if linear_kernels.install(self.model, kernel) else linear_kernels.TORCH
         self.max_images = max_images
         self.max_image_pixels = max_image_pixels
         self.family = families.family_for(model.config, model)
