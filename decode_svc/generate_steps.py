@@ -17,6 +17,7 @@ import grpc
 from cache.embedding_fetch import EmbeddingFetchError, checked_embeddings
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.errors import AdapterInputError
+from runtime.worker import torch_thread
 from runtime.worker.rpc_failure import FailureKind, abort_with
 from runtime.worker.tracing import span
 from runtime.worker.transfer_state import TransferState
@@ -117,7 +118,7 @@ class GenerateSteps:
         if not res.holds(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while fetching embeddings")
         try:
-            prompt = await asyncio.to_thread(self.adapter.prepare, token_ids, embeddings)
+            prompt = await torch_thread.run(self.adapter.prepare, token_ids, embeddings)
         except AdapterInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         problem = self.rope_delta.problem(res.rope_delta, prompt.rope_delta, "the prompt's positions")

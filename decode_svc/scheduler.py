@@ -69,6 +69,7 @@ from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, sample
 from runtime.model.state_slots import StateSlotPool
+from runtime.worker import torch_thread
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
@@ -252,7 +253,7 @@ class DecodeScheduler:
             budget -= end - start
 
         started = time.perf_counter()
-        next_tokens, first_tokens = await asyncio.to_thread(self._forward, decoding, chunks)
+        next_tokens, first_tokens = await torch_thread.run(self._forward, decoding, chunks)
         step_ms = (time.perf_counter() - started) * 1000
         self.steps += 1
         self.max_observed_batch = max(self.max_observed_batch, len(decoding) + len(chunks))

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker import torch_thread
 from runtime.worker.timing_log import TimingLog
 
 
@@ -74,7 +75,7 @@ class EncodeBatcher:
                 continue
             started = time.perf_counter()
             try:
-                outputs = await asyncio.to_thread(self.adapter.encode, [im for im, _, _ in batch],
+                outputs = await torch_thread.run(self.adapter.encode, [im for im, _, _ in batch],
                                                   [v for _, v, _ in batch])
             except Exception as exc:
                 self._last_end = time.monotonic()

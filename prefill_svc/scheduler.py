@@ -35,7 +35,7 @@ from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PreparedPrompt, VLMAdapter
 from runtime.model.sampling import SampledToken, SamplingContext, SamplingParams, for_choice, sample
-from runtime.worker import state_parts
+from runtime.worker import state_parts, torch_thread
 from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.tracing import current_context, record_span
@@ -149,7 +149,7 @@ class PrefillScheduler:
         # the prompt's chunking rule: never inside a bidirectional image span (PreparedPrompt.chunk_end)
         spans = [(job, job.next_start, job.prompt.chunk_end(job.next_start, job.chunk_tokens)) for job in batch]
         started, started_ns = time.perf_counter(), time.time_ns()
-        chunks, first_tokens, states = await asyncio.to_thread(self._forward, spans)
+        chunks, first_tokens, states = await torch_thread.run(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
         ended_ns = time.time_ns()
         for job, start, end in spans:

@@ -30,6 +30,7 @@ from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from cache.embedding_fetch import EmbeddingFetcher, EmbeddingFetchError, checked_embeddings
 from runtime.model.errors import AdapterInputError
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker import torch_thread
 from runtime.worker.faults import FaultInjector
 from runtime.worker.peers import UnknownPeerError
 from runtime.worker.rope_delta import RopeDeltaRule
@@ -101,7 +102,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             try:
                 fetched = await self.fetcher.fetch(request.request_id, request.images, timeout_s)
                 embeddings = checked_embeddings(self.adapter.embeddings, request.images, fetched)
-                prompt = await asyncio.to_thread(self.adapter.prepare, token_ids, embeddings)
+                prompt = await torch_thread.run(self.adapter.prepare, token_ids, embeddings)
             except EmbeddingFetchError as exc:   # the request's images, not this worker (runtime/worker/rpc_failure.py)
                 await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                                  f"embedding fetch failed: {exc}")

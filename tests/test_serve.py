@@ -80,6 +80,8 @@ def test_serve_answers_image_chat(served):
         assert worker["reservations_active"] == 0 and worker["pending_chunks"] == 0
     for worker in [*status["decode"], *status["prefill"]]:   # the kernel each selected at start-up (CPU)
         assert worker["attention_kernel"] == "sdpa_padded"
+    for worker in [*status["decode"], *status["prefill"], *status["encoder"]]:
+        assert worker["linear_kernel"] == "torch"   # the demo model's layers are all under oneDNN's threshold
     assert status["encoder"][0]["computes"] == 2  # two distinct images, each encoded once
 
 

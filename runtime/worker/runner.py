@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from runtime.worker import torch_thread
 from runtime.worker.grpc_server import WorkerServer, run_until_signal
 from runtime.worker.internal_auth import exposure_problem
 from runtime.worker.log_format import configure_logging
@@ -96,7 +97,7 @@ async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
     from runtime.model.model_adapter import VLMAdapter
     from runtime.worker.worker_metrics import serve_worker_metrics
 
-    adapter = await asyncio.to_thread(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
+    adapter = await torch_thread.run(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
                                       max_images=settings.limit_images_per_request)
     servicer = await role.build(settings, adapter)
     try:
