@@ -112,7 +112,7 @@ class FirstTokenPressure:
 
     def shed_estimate_ms(self) -> float:
         """What a request arriving now would wait for its first token, before its own stages."""
-        return self.intake_ms() + self.wait_ms() + self.overrun_ms()
+        return self.intake_ms() + self.wait_ms() + self.inputs().margin_ms()
 
     def inputs(self) -> Pressure:
         """This state as the admission policy reads it (``runtime.policy.loads.Pressure``): the

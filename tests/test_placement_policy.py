@@ -226,6 +226,20 @@ def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline()
     assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)
 
 
+def test_an_empty_pipeline_is_judged_by_its_stage_estimates_alone() -> None:
+    """A burst's margin (recent first tokens much later than estimated) must not refuse a request
+    that finds nothing waiting: refusals bring no first tokens to correct the margin, so a tight SLO
+    right after a burst would refuse every request of an idle server until the window forgot."""
+    state = loads(busy(running=0))
+    ttft = admit(LONG, state, CM, "conditional", 600.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
+    after_burst = Pressure(waiting=0, first_token_rate_per_s=100.0, overrun_ms=400.0)
+    idle = admit(LONG, state, CM, "conditional", ttft + 10.0, 150.0, pressure=after_burst)
+    assert idle.ok and idle.overrun_ms == 0.0
+    one_waiting = Pressure(waiting=1, first_token_rate_per_s=100.0, overrun_ms=400.0)
+    busy_now = admit(LONG, state, CM, "conditional", ttft + 10.0, 150.0, pressure=one_waiting)
+    assert (busy_now.ok, busy_now.reason) == (False, "pipeline_backlog")
+
+
 # ---- transfer failure --------------------------------------------------------------
 
 

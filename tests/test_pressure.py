@@ -1,6 +1,9 @@
 """The gateway's Little's-law backlog: no refusals from a rate it cannot trust yet."""
 
+import pytest
+
 from gateway.pressure import FirstTokenPressure
+
 
 def test_no_backlog_without_enough_recent_first_tokens():
     p = FirstTokenPressure(min_samples=8)
@@ -68,6 +71,17 @@ def test_the_shed_estimate_adds_the_median_intake_once_trusted():
     p.admitted(intake_ms=400.0)
     assert p.intake_ms() == 30.0                       # median of 10, 20, 30, 400
     assert p.shed_estimate_ms() == p.intake_ms() + p.wait_ms() + p.overrun_ms()
+
+
+def test_the_shed_estimate_drops_the_margin_when_nothing_waits():
+    p = FirstTokenPressure(window_s=5.0, min_samples=4)
+    for _ in range(6):           # a burst whose first tokens came 300 ms later than estimated
+        p.admitted(intake_ms=5.0)
+        p.left(got_first_token=True, overrun_ms=300.0)
+    assert p.waiting == 0 and p.overrun_ms() == 300.0
+    assert p.shed_estimate_ms() == 5.0          # the intake alone: nothing is queued ahead
+    p.admitted(intake_ms=5.0)
+    assert p.shed_estimate_ms() == pytest.approx(5.0 + p.wait_ms() + 300.0)
 
 
 def test_overrun_quantile_must_be_a_fraction():

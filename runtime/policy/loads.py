@@ -110,6 +110,10 @@ class Pressure:
     first_token_rate_per_s: float | None = None
     overrun_ms: float = 0.0
 
+    def margin_ms(self) -> float:
+        """The misprediction margin admission adds: ``overrun_ms`` while anything waits, else 0."""
+        return self.overrun_ms if self.waiting > 0 else 0.0
+
     def backlog_ms(self) -> float:
         """Expected queueing before a new request's first token: ``waiting / rate`` (0 without a rate)."""
         rate = self.first_token_rate_per_s

@@ -368,7 +368,11 @@ def admit(
     (the best placement's estimated TTFT exceeds the time left; retry after the excess
     drains); ``pipeline_backlog`` (that estimate plus the ``pressure``'s backlog and
     misprediction margin exceeds it; retry after both drain). The placement itself is
-    chosen without the pressure, which every placement would wait out alike.
+    chosen without the pressure, which every placement would wait out alike. An empty
+    pipeline (nothing admitted is waiting for its first token) is judged by the stage
+    estimates alone: the margin learnt in a burst is mostly queueing the backlog term missed,
+    and refusals bring no first tokens to correct it, so a tight SLO right after a burst would
+    otherwise refuse every request of an idle server until the window forgets.
     ``retry_after_s`` is at least 1.
     """
     if not loads.decode:
@@ -384,7 +388,7 @@ def admit(
         return Admission(False, None, "ttft_deadline", retry_after_s(excess))
     if pressure is None:
         return Admission(True, decision, decision.reason, 0)
-    backlog, overrun = pressure.backlog_ms(), pressure.overrun_ms
+    backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
     if excess + backlog + overrun > 0:
         return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun)
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
