@@ -58,7 +58,8 @@ def test_every_layer_matches_f_linear_and_autograd_falls_back(switched):
         torch.testing.assert_close(out, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     layer = layers[0]
     x = torch.randn(3, layer.in_features, requires_grad=True)
-    layer(x).sum().backward()      # the stock path: a gradient reaches the input
+    with torch.enable_grad():      # grad mode is per thread, and other tests turn it off in this one
+        layer(x).sum().backward()  # the stock path: a gradient reaches the input
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, -1))
 
 
