@@ -61,7 +61,9 @@ class Ticket:
 
     __slots__ = ("_owner", "_admitted_at", "_model_ms", "_kv_bytes", "_open")
 
-    def __init__(self, owner: GatewayAdmission, model_ms: float, kv_bytes: float) -> None:
+    def __init__(self, owner: GatewayAdmission, model_ms: float | None, kv_bytes: float) -> None:
+        """``model_ms``: the TTFT predicted at admission; None when the prediction could not price
+        the queue (``Pressure.backlog_priced``), so the first token teaches no overrun."""
         self._owner, self._model_ms, self._kv_bytes = owner, model_ms, kv_bytes
         self._admitted_at = time.monotonic()
         self._open = True
@@ -77,7 +79,8 @@ class Ticket:
             owner.kv_bytes = max(0.0, owner.kv_bytes - self._kv_bytes) if owner.kv_transfers else 0.0
         if got_first_token:
             took_ms = (time.monotonic() - self._admitted_at) * 1000
-            owner.pressure.left(got_first_token=True, overrun_ms=took_ms - self._model_ms)
+            overrun = None if self._model_ms is None else took_ms - self._model_ms
+            owner.pressure.left(got_first_token=True, overrun_ms=overrun)
         else:
             owner.pressure.left(got_first_token=False)
 
@@ -155,6 +158,7 @@ class GatewayAdmission:
             kv_bytes = float(self.cost_model.kv_bytes(shape.prompt_tokens))
             self.kv_transfers += 1
             self.kv_bytes += kv_bytes
+        priced = self.pressure.inputs().backlog_priced()   # read before this request counts as waiting
         self.pressure.admitted(intake_ms=(time.monotonic() - arrival_s) * 1000)
         # the overrun is learnt against the model's own prediction, without itself: a stationary target
-        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms, kv_bytes)
+        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes)

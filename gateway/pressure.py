@@ -4,7 +4,9 @@ Worker stats describe each stage's queue, but under overload the time also piles
 up in places no worker reports (the gateway's own CPU, encoder batching, gRPC
 queues). This tracker measures the whole pipeline from outside: requests admitted
 and still waiting for a first token (L), and the rate at which first tokens come
-out (lambda, over a sliding window). ``wait_ms = L / lambda`` is added to every
+out while any is waiting (lambda: the window's first tokens over the time in it
+that L was above 0, ``runtime.policy.busy_time``; wall time would count idle
+spells and read the arrival rate, not the rate a queue drains at). ``wait_ms = L / lambda`` is added to every
 TTFT estimate at admission, so a backlog anywhere turns into early 429s. This module
 keeps the state; the admission policy (``runtime.policy.placement_policy.admit``) reads
 it as data (``inputs()``), as it reads the simulator's own equivalent.
@@ -18,6 +20,12 @@ share of admitted requests meant to make their deadline), and admission adds it
 too: when the pipeline has been slower than the cost model says (stages that
 share cores, a busy host), new requests are judged by how slow it really was,
 so the ones admitted still meet their deadline. It fades out with the window.
+A request admitted while others waited and no rate was trusted yet (the first
+burst after start-up or an idle spell) teaches no overrun: its prediction had
+no backlog term, so its lateness is the queue left out, and learning it would
+count that queue twice once the rate is known (a 16-request burst on the demo
+model taught 370 ms, and with the backlog beside it the gateway then refused 58%
+of a load whose admitted requests had a TTFT p50 of 300 ms against a 1 s SLO).
 
 Before a request's body is read, the gateway can refuse it cheaply; the
 estimate for that check (``shed_estimate_ms``) adds the recent median *intake*
@@ -26,9 +34,7 @@ the part of TTFT a request spends before admission sees it. Under overload,
 most refusals then happen there, and the CPU goes to admitted requests.
 
 The rate a burst is judged by is the larger of the window's rate and the
-highest rate seen in the last ``memory_s`` (checked at every first token). In
-a closed loop limited by decoding, the window's rate is only the arrival rate,
-far below what the pipeline can do when many requests come at once; and after
+highest rate seen in the last ``memory_s`` (checked at every first token): after
 a quiet spell the window holds too few first tokens to trust at all. The peak
 is what the pipeline was seen to sustain; if it no longer can (a worker lost),
 the overrun term shows it within a window.
@@ -39,7 +45,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from runtime.policy.loads import Pressure
+from runtime.policy.busy_time import BusyClock
+from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
 
 class FirstTokenPressure:
@@ -53,20 +60,25 @@ class FirstTokenPressure:
         self.memory_s = memory_s
         self._peak: tuple[float, float] | None = None   # (time, rate): highest window rate lately
         self.waiting = 0                       # admitted, no first token yet
-        self._firsts: deque[tuple[float, float]] = deque()   # (time, overrun ms) of recent first tokens
+        self._busy = BusyClock()               # when ``waiting`` was above 0 (the rate's denominator)
+        self._firsts: deque[tuple[float, float | None]] = deque()   # (time, overrun ms or None) of recent first tokens
         self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions
 
     def admitted(self, intake_ms: float = 0.0) -> None:
         self.waiting += 1
-        self._intakes.append((time.monotonic(), intake_ms))
+        now = time.monotonic()
+        self._busy.waiting_changed(now, self.waiting)
+        self._intakes.append((now, intake_ms))
         self._in_window(self._intakes)
 
-    def left(self, got_first_token: bool, overrun_ms: float = 0.0) -> None:
+    def left(self, got_first_token: bool, overrun_ms: float | None = 0.0) -> None:
         """Exactly once per admitted request: at its first token (with its TTFT minus the
-        admission estimate), or when it ends without one."""
+        admission estimate; None: the estimate could not price the queue, so the first token
+        counts for the rate only), or when it ends without one."""
         self.waiting -= 1
+        now = time.monotonic()
+        self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
-            now = time.monotonic()
             self._firsts.append((now, overrun_ms))
             rate = self.rate_per_s()
             if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
@@ -79,9 +91,10 @@ class FirstTokenPressure:
             samples.popleft()
         return samples
 
-    def _quantile(self, samples: deque[tuple[float, float]], q: float) -> float | None:
-        """The ``q`` quantile of the values in the window; None when fewer than ``min_samples``."""
-        values = sorted(v for _, v in self._in_window(samples))
+    def _quantile(self, samples: deque[tuple[float, float | None]], q: float) -> float | None:
+        """The ``q`` quantile of the values in the window (None values left out); None when fewer
+        than ``min_samples``."""
+        values = sorted(v for _, v in self._in_window(samples) if v is not None)
         if len(values) < self.min_samples:
             return None
         return values[min(len(values) - 1, int(q * len(values)))]
@@ -90,11 +103,13 @@ class FirstTokenPressure:
         return self._in_window(self._firsts)
 
     def rate_per_s(self) -> float | None:
-        """First tokens per second over the part of the window that had any; None when too few."""
+        """The window's first tokens per second of the time something waited in it (the pipeline's
+        service rate, ``runtime.policy.busy_time``); None when too few."""
         recent = self._recent()
         if len(recent) < self.min_samples:
             return None
-        return len(recent) / max(time.monotonic() - recent[0][0], 1.0)
+        now = time.monotonic()
+        return len(recent) / max(self._busy.busy_since(now, now - self.window_s), MIN_RATE_SPAN_S)
 
     def peak_rate_per_s(self) -> float | None:
         """The highest window rate seen in the last ``memory_s``; None when none was."""

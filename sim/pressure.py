@@ -3,9 +3,10 @@ simulated time, handed to the admission policy as ``runtime.policy.loads.Pressur
 
 Kept only with admission on. Lifecycle per admitted request: ``admitted`` once, then ``left``
 once (at its first token, with how much later than predicted it came, or when it fails
-without one). The rate is the first tokens of the last ``window_ms`` over the part of the
-window that had any (none trusted below ``min_samples``, as in the gateway); the overrun is
-a quantile of their lateness, never negative. The gateway also remembers its peak rate,
+without one). The rate is the first tokens of the last ``window_ms`` over the time in it that
+something waited (``runtime.policy.busy_time``; none trusted below ``min_samples``, as in the gateway); the overrun is
+a quantile of their lateness, never negative, over the first tokens whose prediction priced
+the queue (``Pressure.backlog_priced``; the others count for the rate only, as in the gateway). The gateway also remembers its peak rate,
 for closed-loop clients after an idle spell; simulated arrivals are open loop, so the
 window's rate is the one that holds here.
 """
@@ -14,22 +15,26 @@ from __future__ import annotations
 
 from collections import deque
 
-from runtime.policy.loads import Pressure
+from runtime.policy.busy_time import BusyClock
+from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
 
 class SimPressure:
-    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts")
+    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts", "_busy")
 
     def __init__(self, window_ms: float = 5000.0, min_samples: int = 8, quantile: float = 0.95) -> None:
         self.window_ms, self.min_samples, self.quantile = window_ms, min_samples, quantile
         self.waiting = 0  # admitted, no first token yet
-        self._firsts: deque[tuple[float, float]] = deque()  # (time, lateness ms), oldest first
+        self._busy = BusyClock()  # when ``waiting`` was above 0 (the rate's denominator), ms
+        self._firsts: deque[tuple[float, float | None]] = deque()  # (time, lateness ms or None), oldest first
 
-    def admitted(self) -> None:
+    def admitted(self, now: float) -> None:
         self.waiting += 1
+        self._busy.waiting_changed(now, self.waiting)
 
-    def left(self, now: float, got_first_token: bool, overrun_ms: float = 0.0) -> None:
+    def left(self, now: float, got_first_token: bool, overrun_ms: float | None = 0.0) -> None:
         self.waiting -= 1
+        self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
             self._firsts.append((now, overrun_ms))
 
@@ -39,6 +44,9 @@ class SimPressure:
             firsts.popleft()
         if len(firsts) < self.min_samples:
             return Pressure(self.waiting)
-        rate = 1000.0 * len(firsts) / max(now - firsts[0][0], 1000.0)
-        late = sorted(v for _, v in firsts)[min(len(firsts) - 1, int(self.quantile * len(firsts)))]
+        rate = 1000.0 * len(firsts) / max(self._busy.busy_since(now, now - self.window_ms), 1000.0 * MIN_RATE_SPAN_S)
+        lateness = sorted(v for _, v in firsts if v is not None)
+        if len(lateness) < self.min_samples:
+            return Pressure(self.waiting, rate)
+        late = lateness[min(len(lateness) - 1, int(self.quantile * len(lateness)))]
         return Pressure(self.waiting, rate, late if late > 0.0 else 0.0)

@@ -35,7 +35,8 @@ class SimRequest:
         self.worker: Any = None  # the DecodeWorker holding (or to hold) its KV
         self.prefill_server: Any = None  # remote: the prefill worker admission chose (None: colocated)
         self.kv_bytes = 0.0  # remote, until its first token: its KV, counted on the link's load
-        self.t_admit = self.model_ms = 0.0  # with admission: when admitted, and the TTFT predicted then
+        self.t_admit = 0.0        # with admission: when admitted
+        self.model_ms: float | None = 0.0   # ... and the TTFT predicted then (None: the queue was not priced)
         self.reserved = self.prefill_done = self.resend_full = self.local = False
         self.chunk_bytes: list[int] | None = None
         self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0

@@ -256,8 +256,10 @@ class Simulator:
             self.kv_transfers += 1
             self.kv_bytes += req.kv_bytes
         if self.pressure is not None:
-            self.pressure.admitted()
-            req.t_admit, req.model_ms = now, decision.estimates["ttft_ms"] + verdict.backlog_ms
+            self.pressure.admitted(now)
+            # None: the prediction could not price the queue, so its first token teaches no overrun
+            req.t_admit = now
+            req.model_ms = decision.estimates["ttft_ms"] + verdict.backlog_ms if pressure.backlog_priced() else None
         self._encode(req, now)
 
     def _encode(self, req: SimRequest, now: float) -> None:
@@ -331,7 +333,8 @@ class Simulator:
         self.m.ttft_ms.append(t - req.arrival)
         self._off_the_link(req)
         if self.pressure is not None:
-            self.pressure.left(t, got_first_token=True, overrun_ms=t - req.t_admit - req.model_ms)
+            late = None if req.model_ms is None else t - req.t_admit - req.model_ms
+            self.pressure.left(t, got_first_token=True, overrun_ms=late)
 
     def finished(self, req: SimRequest, now: float, worker: DecodeWorker) -> None:
         m = self.m

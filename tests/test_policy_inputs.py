@@ -228,3 +228,29 @@ def test_the_gateways_report_reads_the_configured_batch_field() -> None:
     assert (report.max_batch, report.free_blocks, report.block_size, report.in_flight) == (64, 9, 1, 2)
     assert worker_report("prefill", "p:1", pb.WorkerStats(role="prefill", free_blocks=5), 0).free_blocks is None
     assert Pressure(3, 2.0).backlog_ms() == pytest.approx(1500.0)
+
+
+def test_a_start_up_burst_is_no_misprediction_to_learn_a_margin_from() -> None:
+    """Admitted while others wait and before any rate is trusted, a request's prediction has no
+    backlog term: its lateness is that queue, and learning it would count the queue twice (the
+    margin beside the backlog) once the rate is known. Predictions that priced the queue teach it."""
+    import time
+
+    snap = RECORDED["snapshots"]["idle"]
+    gw, reg, shape = gateway(snap), registry(snap), SHAPES["short_text"]
+
+    def burst(late_s: float) -> None:
+        tickets = []
+        for _ in range(12):
+            verdict = gw.admit(shape, reg, 5000.0, 1000.0)
+            assert verdict.ok
+            tickets.append(gw.admitted(verdict, shape, time.monotonic(), {}))
+        for ticket in tickets:
+            ticket._admitted_at -= late_s      # its first token came this much after admission
+            ticket.left(got_first_token=True)
+
+    burst(0.4)
+    assert gw.pressure.rate_per_s() is not None     # the burst's first tokens count for the rate
+    assert gw.pressure.overrun_ms() == 0.0          # ... and teach no margin
+    burst(3.0)                                      # now the rate prices the queue: lateness is learnt
+    assert gw.pressure.overrun_ms() > 1000.0

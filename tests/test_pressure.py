@@ -23,6 +23,16 @@ def test_backlog_is_waiting_over_rate():
     assert rate is not None and rate > 0
     assert abs(p.wait_ms() - 1000.0 * 10 / rate) < 1e-6
 
+def test_a_burst_of_first_tokens_is_rated_over_a_quarter_second_at_least():
+    from runtime.policy.loads import MIN_RATE_SPAN_S
+
+    p = FirstTokenPressure(window_s=5.0, min_samples=4)
+    for _ in range(8):           # one step's worth of first tokens, all at once
+        p.admitted()
+        p.left(got_first_token=True)
+    assert MIN_RATE_SPAN_S == 0.25 and p.rate_per_s() == pytest.approx(8 / MIN_RATE_SPAN_S, rel=0.05)
+
+
 def test_requests_that_end_without_a_token_leave_the_count():
     p = FirstTokenPressure()
     p.admitted()
@@ -82,6 +92,58 @@ def test_the_shed_estimate_drops_the_margin_when_nothing_waits():
     assert p.shed_estimate_ms() == 5.0          # the intake alone: nothing is queued ahead
     p.admitted(intake_ms=5.0)
     assert p.shed_estimate_ms() == pytest.approx(5.0 + p.wait_ms() + 300.0)
+
+
+def test_first_tokens_of_an_unpriced_queue_count_for_the_rate_and_teach_no_overrun():
+    from sim.pressure import SimPressure
+
+    p = FirstTokenPressure(window_s=5.0, min_samples=4)
+    sim = SimPressure(window_ms=5000.0, min_samples=4)
+    for i in range(6):           # a start-up burst: admitted with others waiting and no rate yet
+        p.admitted()
+        p.left(got_first_token=True, overrun_ms=None)
+        sim.admitted(float(i))
+        sim.left(float(i), got_first_token=True, overrun_ms=None)
+    assert p.rate_per_s() is not None and p.overrun_ms() == 0.0
+    assert sim.inputs(10.0).first_token_rate_per_s is not None and sim.inputs(10.0).overrun_ms == 0.0
+    for i in range(4):           # then predictions that priced the queue, 300 ms late
+        p.admitted()
+        p.left(got_first_token=True, overrun_ms=300.0)
+        sim.admitted(20.0 + i)
+        sim.left(20.0 + i, got_first_token=True, overrun_ms=300.0)
+    assert p.overrun_ms() == 300.0 and sim.inputs(30.0).overrun_ms == 300.0
+
+
+def test_the_rate_is_over_the_time_something_waited_not_the_idle_gaps(monkeypatch):
+    from sim.pressure import SimPressure
+
+    sim = SimPressure(window_ms=5000.0, min_samples=4)
+    for t in (0.0, 10.0, 20.0, 30.0):    # a warm-up: four requests, 10 ms each
+        sim.admitted(t)
+        sim.left(t + 10.0, got_first_token=True)
+    for i in range(8):                   # 3 s idle, then 8 first tokens 20 ms apart from a queue of 8
+        sim.admitted(3000.0)
+    for i in range(8):
+        sim.left(3020.0 + 20.0 * i, got_first_token=True)
+    # 12 first tokens over 40 ms + 160 ms of waiting (the 250 ms floor), not over the 3.2 s of wall time
+    assert sim.inputs(3200.0).first_token_rate_per_s == pytest.approx(12 / 0.25)
+
+    now = [0.0]
+    monkeypatch.setattr("gateway.pressure.time.monotonic", lambda: now[0])
+    p = FirstTokenPressure(window_s=5.0, min_samples=4)
+    for t in (0.0, 0.01, 0.02, 0.03):    # the same on the gateway's clock, in seconds
+        now[0] = t
+        p.admitted()
+        now[0] = t + 0.01
+        p.left(got_first_token=True)
+    now[0] = 3.0
+    for _ in range(8):
+        p.admitted()
+    for i in range(8):
+        now[0] = 3.02 + 0.02 * i
+        p.left(got_first_token=True)
+    now[0] = 3.2
+    assert p.rate_per_s() == pytest.approx(12 / 0.25)
 
 
 def test_overrun_quantile_must_be_a_fraction():
