@@ -3,11 +3,14 @@
     epd demo-model --bench --out /tmp/bench-vlm        # once: random-weight bench model
     python -m bench.decode_throughput [--model /tmp/bench-vlm] [--batches 1,32,64] [--kernels batched,reference_loop]
                                       [--context 128] [--steps 16] [--rounds 4] [--threads 1]
+                                      [--linear-kernels torch,onednn]
 
 ``--kernels``: ``batched`` is the kernel the adapter selects at start-up (one attention call per
 layer for the whole batch); ``reference_loop`` is the per-sequence loop (one SDPA call per
 sequence per layer) it replaced. Every (batch, kernel) pair is timed in the same run and the
-step-time ratio loop / batched is printed per batch size.
+step-time ratio loop / batched is printed per batch size. ``--linear-kernels``: the linear layers'
+kernels to time (``runtime/model/linear_kernels.py``; default: the one ``auto`` installs), one
+loaded copy of the model each, interleaved with the rest; the ratio torch / onednn is printed.
 
 Each batch size gets its own ``KVBlockPool``; every sequence's prompt KV
 (``--context`` tokens) is filled with random values (decode cost depends on the
@@ -59,6 +62,7 @@ class Batch:
         per_seq = context + max_steps + 1
         self.adapter, self.batch, self.context = adapter, batch, context
         self.kernel = kernel or adapter.attention_kernel
+        self.linear_kernel = adapter.linear_kernel
         self.pool = KVBlockPool(layout, batch * -(-per_seq // block_size), block_size)
         gen = torch.Generator().manual_seed(batch)
         self.seqs = []
@@ -82,7 +86,8 @@ class Batch:
 
     def result(self) -> dict:
         t = self.times
-        return dict(batch=self.batch, kernel=self.kernel, context=self.context, steps=len(t), seconds=sum(t),
+        return dict(batch=self.batch, kernel=self.kernel, linear_kernel=self.linear_kernel, context=self.context,
+                    steps=len(t), seconds=sum(t),
                     step_ms_median=statistics.median(t) * 1000, step_ms_min=min(t) * 1000,
                     tokens_per_s=self.batch * len(t) / sum(t),
                     tokens_per_s_median_step=self.batch / statistics.median(t),
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: stable on a shared host; 0 = torch's default)")
+    p.add_argument("--linear-kernels", default="auto", help="comma-separated: auto, torch, onednn (a model copy each)")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_throughput.json")
     args = p.parse_args(argv)
     if not (args.model / "config.json").exists():
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
-    adapter = VLMAdapter.load(args.model)
+    adapters = [VLMAdapter.load(args.model, linear_kernel=k.strip()) for k in args.linear_kernels.split(",") if k.strip()]
+    adapter = adapters[0]
     size = model_size(adapter)
     print(f"model {args.model}: {size['params_total'] / 1e6:.1f} M parameters ({size['weight_bytes'] / 2**20:.0f} MiB "
           f"{size['dtype']}), decoder {size['params_decoder'] / 1e6:.1f} M, KV {adapter.kv_layout.describe()}; "
@@ -127,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     selected = adapter.attention_kernel
     kernels = [selected if k.strip() == "batched" else k.strip() for k in args.kernels.split(",") if k.strip()]
     results["selected_kernel"] = selected
-    batches = [Batch(adapter, b, args.context, args.warmup + args.steps, args.block_size, k)
-               for b in args.batches for k in kernels]
+    batches = [Batch(a, b, args.context, args.warmup + args.steps, args.block_size, k)
+               for b in args.batches for k in kernels for a in adapters]
     for b in batches:
         for _ in range(args.warmup):
             b.step(timed=False)
@@ -142,12 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         row = b.result()
         results["runs"].append(row)
-        print(f"batch {row['batch']:>3} {row['kernel']:<15}: {row['tokens_per_s']:8.1f} tokens/s  (median step {row['step_ms_median']:.1f} ms "
+        print(f"batch {row['batch']:>3} {row['kernel']:<15} {row['linear_kernel']:<6}: {row['tokens_per_s']:8.1f} tokens/s  "
+              f"(median step {row['step_ms_median']:.1f} ms "
               f"-> {row['tokens_per_s_median_step']:.1f} tokens/s; best step {row['step_ms_min']:.1f} ms; "
               f"{row['steps']} steps, context {args.context})")
-    results["loop_over_batched_step_ms"] = {}
+    results["torch_over_onednn_step_ms"] = {}
     for b in args.batches:
-        rows = {r["kernel"]: r for r in results["runs"] if r["batch"] == b}
+        rows = {r["linear_kernel"]: r for r in results["runs"] if r["batch"] == b and r["kernel"] == selected}
+        if {"torch", "onednn"} <= set(rows):
+            x = rows["torch"]["step_ms_median"] / rows["onednn"]["step_ms_median"]
+            results["torch_over_onednn_step_ms"][str(b)] = x
+            print(f"batch {b:>3}: median step {rows['onednn']['step_ms_median']:.1f} ms onednn vs "
+                  f"{rows['torch']['step_ms_median']:.1f} ms torch linear layers -> torch / onednn {x:.2f}x")
+    results["loop_over_batched_step_ms"] = {}
+    first = adapter.linear_kernel
+    for b in args.batches:
+        rows = {r["kernel"]: r for r in results["runs"] if r["batch"] == b and r["linear_kernel"] == first}
         if selected in rows and "reference_loop" in rows and selected != "reference_loop":
             x = rows["reference_loop"]["step_ms_median"] / rows[selected]["step_ms_median"]
             results["loop_over_batched_step_ms"][str(b)] = x
