@@ -31,7 +31,11 @@ Before a request's body is read, the gateway can refuse it cheaply; the
 estimate for that check (``shed_estimate_ms``) adds the recent median *intake*
 (arrival to admission decision: reading the body, loading images, tokenizing),
 the part of TTFT a request spends before admission sees it. Under overload,
-most refusals then happen there, and the CPU goes to admitted requests.
+most refusals then happen there, and the CPU goes to admitted requests. With
+nothing admitted waiting, the estimate is 0 and admission decides from the
+stage estimates once the body is read: the intakes of a burst just over (280-360
+ms for half of a demo-c16 round) shed every request of the idle gateway that
+followed, at a 200 ms SLO, for the window's 5 s, since refusals teach no intake.
 
 The rate a burst is judged by is the larger of the window's rate and the
 highest rate seen in the last ``memory_s`` (checked at every first token): after
@@ -126,7 +130,10 @@ class FirstTokenPressure:
         return self._quantile(self._intakes, 0.5) or 0.0
 
     def shed_estimate_ms(self) -> float:
-        """What a request arriving now would wait for its first token, before its own stages."""
+        """What a request arriving now would wait for its first token, before its own stages
+        (0 while nothing admitted waits: an idle pipeline is judged at admission)."""
+        if self.waiting <= 0:
+            return 0.0
         return self.intake_ms() + self.wait_ms() + self.inputs().margin_ms()
 
     def inputs(self) -> Pressure:

@@ -83,15 +83,15 @@ def test_the_shed_estimate_adds_the_median_intake_once_trusted():
     assert p.shed_estimate_ms() == p.intake_ms() + p.wait_ms() + p.overrun_ms()
 
 
-def test_the_shed_estimate_drops_the_margin_when_nothing_waits():
+def test_the_shed_estimate_is_zero_when_nothing_waits():
     p = FirstTokenPressure(window_s=5.0, min_samples=4)
-    for _ in range(6):           # a burst whose first tokens came 300 ms later than estimated
-        p.admitted(intake_ms=5.0)
+    for _ in range(6):           # a burst 300 ms later than estimated, each 250 ms in the gateway first
+        p.admitted(intake_ms=250.0)
         p.left(got_first_token=True, overrun_ms=300.0)
-    assert p.waiting == 0 and p.overrun_ms() == 300.0
-    assert p.shed_estimate_ms() == 5.0          # the intake alone: nothing is queued ahead
-    p.admitted(intake_ms=5.0)
-    assert p.shed_estimate_ms() == pytest.approx(5.0 + p.wait_ms() + 300.0)
+    assert p.waiting == 0 and p.overrun_ms() == 300.0 and p.intake_ms() == 250.0
+    assert p.shed_estimate_ms() == 0.0          # nothing queued ahead: admission judges it, body read
+    p.admitted(intake_ms=250.0)
+    assert p.shed_estimate_ms() == pytest.approx(250.0 + p.wait_ms() + 300.0)
 
 
 def test_first_tokens_of_an_unpriced_queue_count_for_the_rate_and_teach_no_overrun():
