@@ -77,12 +77,10 @@ class Ticket:
         if self._kv_bytes:
             owner.kv_transfers -= 1
             owner.kv_bytes = max(0.0, owner.kv_bytes - self._kv_bytes) if owner.kv_transfers else 0.0
-        if got_first_token:
-            took_ms = (time.monotonic() - self._admitted_at) * 1000
-            overrun = None if self._model_ms is None else took_ms - self._model_ms
-            owner.pressure.left(got_first_token=True, overrun_ms=overrun)
-        else:
-            owner.pressure.left(got_first_token=False)
+        took_ms = (time.monotonic() - self._admitted_at) * 1000
+        overrun = None if self._model_ms is None else took_ms - self._model_ms
+        # without a first token, ``overrun`` is how long past the prediction it still waited (a lower bound)
+        owner.pressure.left(got_first_token=got_first_token, overrun_ms=overrun)
 
 
 class GatewayAdmission:

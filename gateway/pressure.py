@@ -66,6 +66,7 @@ class FirstTokenPressure:
         self.waiting = 0                       # admitted, no first token yet
         self._busy = BusyClock()               # when ``waiting`` was above 0 (the rate's denominator)
         self._firsts: deque[tuple[float, float | None]] = deque()   # (time, overrun ms or None) of recent first tokens
+        self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of requests ended tokenless
         self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions
 
     def admitted(self, intake_ms: float = 0.0) -> None:
@@ -78,7 +79,9 @@ class FirstTokenPressure:
     def left(self, got_first_token: bool, overrun_ms: float | None = 0.0) -> None:
         """Exactly once per admitted request: at its first token (with its TTFT minus the
         admission estimate; None: the estimate could not price the queue, so the first token
-        counts for the rate only), or when it ends without one."""
+        counts for the rate only), or when it ends without one (with how long past the estimate
+        it was still waiting: a lower bound of its overrun, learnt when positive, so requests
+        cut at their deadline are not left out of the margin that should have refused them)."""
         self.waiting -= 1
         now = time.monotonic()
         self._busy.waiting_changed(now, self.waiting)
@@ -87,6 +90,8 @@ class FirstTokenPressure:
             rate = self.rate_per_s()
             if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
                 self._peak = (now, rate)
+        elif overrun_ms is not None and overrun_ms > 0:
+            self._unserved.append((now, overrun_ms))
 
     def _in_window(self, samples: deque[tuple[float, float]]) -> deque[tuple[float, float]]:
         """``samples`` (oldest first) with those older than the window dropped."""
@@ -122,8 +127,13 @@ class FirstTokenPressure:
         return self._peak[1]
 
     def overrun_ms(self) -> float:
-        """How much later than estimated recent first tokens came (the quantile); >= 0."""
-        return max(0.0, self._quantile(self._firsts, self.overrun_quantile) or 0.0)
+        """How much later than estimated recent first tokens came, or unserved requests were still
+        waiting (the quantile; 0 below ``min_samples``); >= 0."""
+        values = sorted([v for _, v in self._in_window(self._firsts) if v is not None]
+                        + [v for _, v in self._in_window(self._unserved)])
+        if len(values) < self.min_samples:
+            return 0.0
+        return max(0.0, values[min(len(values) - 1, int(self.overrun_quantile * len(values)))])
 
     def intake_ms(self) -> float:
         """Median time from arrival to admission over the window; 0 when too few."""

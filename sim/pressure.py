@@ -3,11 +3,13 @@ simulated time, handed to the admission policy as ``runtime.policy.loads.Pressur
 
 Kept only with admission on. Lifecycle per admitted request: ``admitted`` once, then ``left``
 once (at its first token, with how much later than predicted it came, or when it fails
-without one). The rate is the first tokens of the last ``window_ms`` over the time in it that
-something waited (``runtime.policy.busy_time``; none trusted below ``min_samples``, as in the gateway); the overrun is
-a quantile of their lateness, never negative, over the first tokens whose prediction priced
-the queue (``Pressure.backlog_priced``; the others count for the rate only, as in the gateway). The gateway also remembers its peak rate,
-for closed-loop clients after an idle spell; simulated arrivals are open loop, so the
+without one, with how long past the prediction it still waited). The rate is the first tokens
+of the last ``window_ms`` over the time in it that something waited
+(``runtime.policy.busy_time``; none trusted below ``min_samples``, as in the gateway); the
+overrun is a quantile of the lateness, never negative, of the first tokens whose prediction
+priced the queue (``Pressure.backlog_priced``; the others count for the rate only) and of the
+failures still waiting past their prediction, as in the gateway. The gateway also remembers its
+peak rate, for closed-loop clients after an idle spell; simulated arrivals are open loop, so the
 window's rate is the one that holds here.
 """
 
@@ -20,13 +22,14 @@ from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
 
 class SimPressure:
-    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts", "_busy")
+    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts", "_busy", "_unserved")
 
     def __init__(self, window_ms: float = 5000.0, min_samples: int = 8, quantile: float = 0.95) -> None:
         self.window_ms, self.min_samples, self.quantile = window_ms, min_samples, quantile
         self.waiting = 0  # admitted, no first token yet
         self._busy = BusyClock()  # when ``waiting`` was above 0 (the rate's denominator), ms
         self._firsts: deque[tuple[float, float | None]] = deque()  # (time, lateness ms or None), oldest first
+        self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of failures
 
     def admitted(self, now: float) -> None:
         self.waiting += 1
@@ -37,15 +40,18 @@ class SimPressure:
         self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
             self._firsts.append((now, overrun_ms))
+        elif overrun_ms is not None and overrun_ms > 0:   # still waiting this long past the prediction
+            self._unserved.append((now, overrun_ms))
 
     def inputs(self, now: float) -> Pressure:
-        firsts = self._firsts
-        while firsts and firsts[0][0] < now - self.window_ms:
-            firsts.popleft()
+        firsts, unserved = self._firsts, self._unserved
+        for samples in (firsts, unserved):
+            while samples and samples[0][0] < now - self.window_ms:
+                samples.popleft()
         if len(firsts) < self.min_samples:
             return Pressure(self.waiting)
         rate = 1000.0 * len(firsts) / max(self._busy.busy_since(now, now - self.window_ms), 1000.0 * MIN_RATE_SPAN_S)
-        lateness = sorted(v for _, v in firsts if v is not None)
+        lateness = sorted([v for _, v in firsts if v is not None] + [v for _, v in unserved])
         if len(lateness) < self.min_samples:
             return Pressure(self.waiting, rate)
         late = lateness[min(len(lateness) - 1, int(self.quantile * len(lateness)))]

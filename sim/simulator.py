@@ -317,7 +317,8 @@ class Simulator:
         """A request that fails without a first token (its transfer could not recover)."""
         self._off_the_link(req)
         if self.pressure is not None:
-            self.pressure.left(now, got_first_token=False)
+            late = None if req.model_ms is None else now - req.t_admit - req.model_ms
+            self.pressure.left(now, got_first_token=False, overrun_ms=late)
         self.m.failed += 1
         self._retire(now)
 

@@ -254,3 +254,16 @@ def test_a_start_up_burst_is_no_misprediction_to_learn_a_margin_from() -> None:
     assert gw.pressure.overrun_ms() == 0.0          # ... and teach no margin
     burst(3.0)                                      # now the rate prices the queue: lateness is learnt
     assert gw.pressure.overrun_ms() > 1000.0
+
+
+def test_requests_cut_at_their_deadline_teach_the_margin_that_should_have_refused_them() -> None:
+    import time
+
+    snap = RECORDED["snapshots"]["idle"]
+    gw, reg, shape = gateway(snap), registry(snap), SHAPES["short_text"]
+    for _ in range(12):         # one at a time: nothing waits at admission, so every prediction priced
+        verdict = gw.admit(shape, reg, 5000.0, 1000.0)
+        ticket = gw.admitted(verdict, shape, time.monotonic(), {})
+        ticket._admitted_at -= 3.0                  # still no first token 3 s after admission: cut
+        ticket.left(got_first_token=False)
+    assert gw.pressure.waiting == 0 and gw.pressure.overrun_ms() > 2000.0

@@ -146,6 +146,19 @@ def test_the_rate_is_over_the_time_something_waited_not_the_idle_gaps(monkeypatc
     assert p.rate_per_s() == pytest.approx(12 / 0.25)
 
 
+def test_requests_ended_without_a_token_teach_how_long_past_the_estimate_they_waited():
+    p = FirstTokenPressure(window_s=5.0, min_samples=4, overrun_quantile=0.5)
+    for _ in range(4):           # cut at their deadline 800 ms past what admission predicted
+        p.admitted()
+        p.left(got_first_token=False, overrun_ms=800.0)
+    assert p.waiting == 0 and p.rate_per_s() is None      # no first token: nothing for the rate
+    assert p.overrun_ms() == 800.0
+    for _ in range(4):           # a client that left early says nothing about lateness
+        p.admitted()
+        p.left(got_first_token=False, overrun_ms=-300.0)
+    assert p.overrun_ms() == 800.0
+
+
 def test_overrun_quantile_must_be_a_fraction():
     import pytest
     with pytest.raises(ValueError):
