@@ -91,6 +91,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-only", action="store_true",
                    help="only the epd encoder-cache run on --cache-model (no transformers serve)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
+    p.add_argument("--slo-headers", action=argparse.BooleanOptionalAction, default=True,
+                   help="--peer vllm: send each load's SLOs as x-ttft-slo-ms / x-itl-slo-ms (epd admits and "
+                        "cuts by them; off: epd's own defaults, and a load measures capacity, not shedding)")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON + PNGs go here")
     p.add_argument("--tag", default="", help="suffix of the output files: compare_servers-TAG.json ...")
     p.add_argument("--logs", type=Path, default=Path("/tmp/epd-compare-logs"))

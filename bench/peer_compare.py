@@ -108,7 +108,7 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
     common = dict(requests=load.requests, concurrency=load.concurrency, image_pool=load.requests,
                   max_tokens=load.max_tokens, check_answers=check, timeout_s=args.timeout,
                   long_fraction=load.long_fraction, long_prompt_words=load.long_prompt_words,
-                  ttft_slo_ms=load.ttft_slo_ms, itl_slo_ms=load.itl_slo_ms)
+                  ttft_slo_ms=load.ttft_slo_ms, itl_slo_ms=load.itl_slo_ms, slo_headers=args.slo_headers)
     for rnd in range(args.rounds):
         order = list(SERVERS) if rnd % 2 == 0 else list(reversed(SERVERS))
         for name in order:

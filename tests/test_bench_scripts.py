@@ -333,6 +333,7 @@ def test_decode_throughput_steps_a_batch_on_the_demo_model() -> None:
 def test_peer_vllm_arguments_and_stem() -> None:
     args = compare_servers.parse_args(["--peer", "vllm", "--loads", "demo-c1,bench-short"])
     assert args.load_list == ["demo-c1", "bench-short"] and compare_servers.stem(args) == "compare_servers-vllm"
+    assert args.slo_headers and not compare_servers.parse_args(["--peer", "vllm", "--no-slo-headers"]).slo_headers
     with pytest.raises(SystemExit):
         compare_servers.parse_args(["--peer", "vllm", "--loads", "nope"])
 
