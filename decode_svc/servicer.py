@@ -206,7 +206,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
     def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
         return pb.ReserveResponse(
             reservation=pb.Reservation(reservation_id=res.reservation_id, generation=res.generation),
-            blocks=len(res.blocks), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address,
+            blocks=len(res.owned), alloc_ms=res.alloc_ms, bulk_address=self.bulk_address,
             cached_tokens=res.cached_tokens)
 
     async def Rearm(self, request: pb.RearmRequest, context) -> pb.ReserveResponse:

@@ -243,6 +243,19 @@ async def test_full_handoff_decodes_exactly_what_generate_does(env, stub, chunk_
     assert metric.HasField("transfer_latency_s") and metric.transfer_latency_s >= 0
 
 
+async def test_a_reservation_of_three_choices_reports_the_blocks_the_pool_lost(env, stub) -> None:
+    p = env.prompt(0)
+    before = (await _stats(stub)).free_blocks
+    resp = await stub.Reserve(pb.ReserveRequest(
+        request_id="choices", prompt_tokens=len(p.ids), max_tokens=MAX_TOKENS, deadline_unix_ms=_deadline_ms(30),
+        token_digest=p.digest, model_fingerprint=env.adapter.model_fingerprint, choices=3), timeout=5)
+    after = (await _stats(stub)).free_blocks
+    assert resp.blocks == before - after > 0
+    released = await stub.Release(pb.ReleaseRequest(request_id="choices", reservation=resp.reservation, reason="test"),
+                                  timeout=5)
+    assert released.released and (await _stats(stub)).free_blocks == before
+
+
 async def test_duplicate_chunks_are_counted_and_the_transfer_succeeds(env, stub) -> None:
     p = env.prompt(1)
     res = await reserve(stub, env, p)
