@@ -64,7 +64,7 @@ class FirstTokenPressure:
         self.memory_s = memory_s
         self._peak: tuple[float, float] | None = None   # (time, rate): highest window rate lately
         self.waiting = 0                       # admitted, no first token yet
-        self._busy = BusyClock()               # when ``waiting`` was above 0 (the rate's denominator)
+        self._busy = BusyClock(window_s)       # when ``waiting`` was above 0 (the rate's denominator)
         self._firsts: deque[tuple[float, float | None]] = deque()   # (time, overrun ms or None) of recent first tokens
         self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of requests ended tokenless
         self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions

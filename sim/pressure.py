@@ -27,7 +27,7 @@ class SimPressure:
     def __init__(self, window_ms: float = 5000.0, min_samples: int = 8, quantile: float = 0.95) -> None:
         self.window_ms, self.min_samples, self.quantile = window_ms, min_samples, quantile
         self.waiting = 0  # admitted, no first token yet
-        self._busy = BusyClock()  # when ``waiting`` was above 0 (the rate's denominator), ms
+        self._busy = BusyClock(window_ms)  # when ``waiting`` was above 0 (the rate's denominator), ms
         self._firsts: deque[tuple[float, float | None]] = deque()  # (time, lateness ms or None), oldest first
         self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of failures
 

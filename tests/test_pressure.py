@@ -159,6 +159,21 @@ def test_requests_ended_without_a_token_teach_how_long_past_the_estimate_they_wa
     assert p.overrun_ms() == 800.0
 
 
+def test_the_busy_clock_counts_only_waiting_time_and_keeps_one_horizon_of_spans():
+    from runtime.policy.busy_time import BusyClock
+
+    clock = BusyClock(horizon=10.0)
+    clock.waiting_changed(0.0, 1)
+    clock.waiting_changed(1.0, 2)        # still busy: the span runs on
+    clock.waiting_changed(2.0, 0)
+    clock.waiting_changed(5.0, 1)
+    assert clock.busy_since(6.0, 0.0) == 3.0 and clock.busy_since(6.0, 1.5) == 1.5
+    for t in range(100, 1100):           # an outage: a thousand requests that never get a token
+        clock.waiting_changed(float(t), 1)
+        clock.waiting_changed(t + 0.5, 0)
+    assert len(clock._spans) <= 11 and clock.busy_since(1100.0, 1090.0) == 5.0
+
+
 def test_overrun_quantile_must_be_a_fraction():
     import pytest
     with pytest.raises(ValueError):

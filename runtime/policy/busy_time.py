@@ -9,7 +9,9 @@ rate, diluted by the idle gap before the load, read 4.6/s and refused a third of
 
 One clock per pressure tracker (the gateway's ``FirstTokenPressure``, the simulator's
 ``SimPressure``), in that tracker's time unit. ``waiting_changed`` is called on every change of
-the waiting count; intervals that ended before a window are dropped as it is read.
+the waiting count; spans that ended more than ``horizon`` ago are dropped as new ones close
+(and before a window as it is read), so an outage of tokenless requests keeps no more than a
+window's worth.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from collections import deque
 
 
 class BusyClock:
-    __slots__ = ("_since", "_spans")
+    __slots__ = ("horizon", "_since", "_spans")
 
-    def __init__(self) -> None:
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon                             # the longest window it is read over
         self._since: float | None = None                  # when the current busy span began; None: idle
         self._spans: deque[tuple[float, float]] = deque()  # closed busy spans (start, end), oldest first
 
@@ -31,6 +34,8 @@ class BusyClock:
         elif waiting <= 0 and self._since is not None:
             self._spans.append((self._since, now))
             self._since = None
+            while self._spans[0][1] < now - self.horizon:
+                self._spans.popleft()
 
     def busy_since(self, now: float, start: float) -> float:
         """Time within ``[start, now]`` during which something waited."""
