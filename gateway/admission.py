@@ -156,7 +156,7 @@ class GatewayAdmission:
             kv_bytes = float(self.cost_model.kv_bytes(shape.prompt_tokens))
             self.kv_transfers += 1
             self.kv_bytes += kv_bytes
-        priced = self.pressure.inputs().backlog_priced()   # read before this request counts as waiting
+        priced = self.pressure.backlog_priced()   # read before this request counts as waiting
         self.pressure.admitted(intake_ms=(time.monotonic() - arrival_s) * 1000)
         # the overrun is learnt against the model's own prediction, without itself: a stationary target
         return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes)

@@ -6,8 +6,9 @@ queues). This tracker measures the whole pipeline from outside: requests admitte
 and still waiting for a first token (L), and the rate at which first tokens come
 out while any is waiting (lambda: the window's first tokens over the time in it
 that L was above 0, ``runtime.policy.busy_time``; wall time would count idle
-spells and read the arrival rate, not the rate a queue drains at). ``wait_ms = L / lambda`` is added to every
-TTFT estimate at admission, so a backlog anywhere turns into early 429s. This module
+spells and read the arrival rate, not the rate a queue drains at).
+``wait_ms = L / lambda`` is added to every TTFT estimate at admission, so a
+backlog anywhere turns into early 429s. This module
 keeps the state; the admission policy (``runtime.policy.placement_policy.admit``) reads
 it as data (``inputs()``), as it reads the simulator's own equivalent.
 
@@ -100,12 +101,11 @@ class FirstTokenPressure:
             samples.popleft()
         return samples
 
-    def _quantile(self, samples: deque[tuple[float, float | None]], q: float) -> float | None:
-        """The ``q`` quantile of the values in the window (None values left out); None when fewer
-        than ``min_samples``."""
-        values = sorted(v for _, v in self._in_window(samples) if v is not None)
+    def _quantile(self, values: list[float], q: float) -> float | None:
+        """The ``q`` quantile of ``values``; None when fewer than ``min_samples``."""
         if len(values) < self.min_samples:
             return None
+        values.sort()
         return values[min(len(values) - 1, int(q * len(values)))]
 
     def _recent(self) -> deque[tuple[float, float]]:
@@ -129,15 +129,13 @@ class FirstTokenPressure:
     def overrun_ms(self) -> float:
         """How much later than estimated recent first tokens came, or unserved requests were still
         waiting (the quantile; 0 below ``min_samples``); >= 0."""
-        values = sorted([v for _, v in self._in_window(self._firsts) if v is not None]
-                        + [v for _, v in self._in_window(self._unserved)])
-        if len(values) < self.min_samples:
-            return 0.0
-        return max(0.0, values[min(len(values) - 1, int(self.overrun_quantile * len(values)))])
+        values = ([v for _, v in self._in_window(self._firsts) if v is not None]
+                  + [v for _, v in self._in_window(self._unserved)])
+        return max(0.0, self._quantile(values, self.overrun_quantile) or 0.0)
 
     def intake_ms(self) -> float:
         """Median time from arrival to admission over the window; 0 when too few."""
-        return self._quantile(self._intakes, 0.5) or 0.0
+        return self._quantile([v for _, v in self._in_window(self._intakes)], 0.5) or 0.0
 
     def shed_estimate_ms(self) -> float:
         """What a request arriving now would wait for its first token, before its own stages
@@ -151,6 +149,10 @@ class FirstTokenPressure:
         rate is the higher of the window's and the recent peak (None: no throughput seen yet,
         at start-up or after a long idle, and the stage estimates decide alone)."""
         return Pressure(self.waiting, self._judged_rate(), self.overrun_ms())
+
+    def backlog_priced(self) -> bool:
+        """``Pressure.backlog_priced`` of this state (without sorting the overruns ``inputs`` would)."""
+        return Pressure(self.waiting, self._judged_rate()).backlog_priced()
 
     def _judged_rate(self) -> float | None:
         return max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0) or None

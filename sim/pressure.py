@@ -48,11 +48,12 @@ class SimPressure:
         for samples in (firsts, unserved):
             while samples and samples[0][0] < now - self.window_ms:
                 samples.popleft()
-        if len(firsts) < self.min_samples:
-            return Pressure(self.waiting)
-        rate = 1000.0 * len(firsts) / max(self._busy.busy_since(now, now - self.window_ms), 1000.0 * MIN_RATE_SPAN_S)
+        rate = None
+        if len(firsts) >= self.min_samples:
+            busy = self._busy.busy_since(now, now - self.window_ms)
+            rate = 1000.0 * len(firsts) / max(busy, 1000.0 * MIN_RATE_SPAN_S)
         lateness = sorted([v for _, v in firsts if v is not None] + [v for _, v in unserved])
-        if len(lateness) < self.min_samples:
-            return Pressure(self.waiting, rate)
-        late = lateness[min(len(lateness) - 1, int(self.quantile * len(lateness)))]
-        return Pressure(self.waiting, rate, late if late > 0.0 else 0.0)
+        late = 0.0
+        if len(lateness) >= self.min_samples:
+            late = max(0.0, lateness[min(len(lateness) - 1, int(self.quantile * len(lateness)))])
+        return Pressure(self.waiting, rate, late)
