@@ -104,7 +104,7 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
     e2e_timeout = time_left_s(job.ttft_deadline_s) + job.max_tokens * max(job.itl_slo_ms, 1000.0) / 1000.0
     request = pb.GenerateRequest(request_id=job.request_id, reservation=reservation, max_tokens=job.max_tokens,
                                  sampling=sampling_to_pb(job.sampling),
-                                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), itl_slo_ms=job.itl_slo_ms)
+                                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s))
     # the prompt travels either way: colocated, decode prefills it; disaggregated, decode checks
     # the prefix keys it caches the prompt's blocks under against it (and sampling that reads the
     # prompt's ids, repetition_penalty, reads them)

@@ -37,27 +37,12 @@ def test_a_cheap_model_keeps_the_full_budget_and_a_prompt_never_starves():
 
 def test_an_idle_step_takes_what_the_tightest_first_token_deadline_pays_for():
     b = StepBudget(256)                                    # idle_tokens: 4 x 256
-    assert b.prefill_tokens(0, [(26, 2000.0)]) == 256      # a token's cost unknown: the full budget
+    assert b.prefill_tokens(0, slack_ms=2000.0) == 256     # a token's cost unknown: the full budget
     b.observe(0, 100, 300.0)                               # 3 ms a token
-    assert b.prefill_tokens(0, [(26, None)]) == 256        # no deadline known
-    assert b.prefill_tokens(0, [(26, 4000.0), (26, 1500.0)]) == 400   # 0.8 x the tightest 1500 ms at 3 ms a token
-    assert b.prefill_tokens(0, [(26, 100.0)]) == 256       # never below the full budget
-    assert b.prefill_tokens(0, [(26, 60_000.0)]) == 1024   # at most idle_tokens
+    assert b.prefill_tokens(0) == 256                      # no deadline known
+    assert b.prefill_tokens(0, slack_ms=1500.0) == 400     # 0.8 x 1500 ms at 3 ms a token
+    assert b.prefill_tokens(0, slack_ms=100.0) == 256      # never below the full budget
+    assert b.prefill_tokens(0, slack_ms=60_000.0) == 1024  # at most idle_tokens
     b.observe(16, 0, 80.0)
-    assert b.prefill_tokens(16, [(26, 60_000.0)]) == 26    # decoding: the gap's budget (80 ms at 3 ms a token)
+    assert b.prefill_tokens(16, slack_ms=60_000.0) == 26   # decoding: the gap's budget, whatever the deadline
     assert StepBudget(256, idle_tokens=100).idle_tokens == 256   # never under the full budget
-
-
-def test_prompts_that_would_miss_their_deadline_widen_the_step_up_to_the_gap_target():
-    b = StepBudget(256)
-    b.observe(16, 0, 80.0)                                 # decode step 80 ms
-    b.observe(0, 100, 300.0)                               # 3 ms a prompt token: the gap rule allows 26 a step
-    burst = [(26, 1800.0)] * 16                            # 16 prompts, 1.8 s left each
-    assert b.prefill_tokens(16, burst) == 26               # no inter-token target known: the gap rule
-    # at 26 tokens a 158 ms step, the 12th prompt's first token would come after 1.8 s: grow to
-    # 0.8 x 500 ms - the 80 ms decode step, at 3 ms a token
-    assert b.prefill_tokens(16, burst, gap_ms=500.0) == 106
-    assert b.prefill_tokens(16, burst[:8], gap_ms=500.0) == 26    # 8 of them make it at the plain pace
-    assert b.prefill_tokens(16, burst, gap_ms=90.0) == 26         # a gap target under the plain step: no growth
-    assert b.prefill_tokens(16, burst, gap_ms=10_000.0) == 256    # at most the full budget
-    assert b.prefill_tokens(16, [(26, None)] * 16, gap_ms=500.0) == 26   # no deadlines: never late

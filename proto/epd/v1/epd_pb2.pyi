@@ -371,7 +371,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens", "cache_salt", "itl_slo_ms")
+    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -382,7 +382,6 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    ITL_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     max_tokens: int
@@ -393,8 +392,7 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     chunk_tokens: int
     cache_salt: str
-    itl_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., itl_slo_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TransferMetric(_message.Message):
     __slots__ = ("transfer_latency_s", "alloc_latency_s", "transfer_total_bytes", "chunks", "prefill_ms")
