@@ -11,9 +11,8 @@ One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
 budget: while sequences decode, ``step_budget.StepBudget`` prices the prompt tokens a
 step may carry so it stays near a decode step's own time), so a long colocated prompt,
-or a burst of short ones, is spread across steps instead of stalling its neighbours; with
-nothing decoding, a burst goes in together as far as the prompts' first-token deadlines allow.
-A colocated prompt is a ``PreparedPrompt`` (embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
+or a burst of short ones, is spread across steps instead of stalling its neighbours. A colocated prompt is a ``PreparedPrompt``
+(embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
 decode token carries its sequence's ``rope_delta`` (M-RoPE: position = index +
 delta; 0 for 1-D families), verified before the sequence was handed over. Sequences join and leave only at step
 boundaries; tokens are pushed to each sequence's queue after every step.
@@ -244,7 +243,7 @@ class DecodeScheduler:
             return
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
-        budget = self.step_budget.prefill_tokens(len(decoding), self._prefill_slack_ms())
+        budget = self.step_budget.prefill_tokens(len(decoding))
         for seq in self._prefilling:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
@@ -282,11 +281,6 @@ class DecodeScheduler:
             for child, token in zip(forks, tokens[1:]):
                 child.first_step_ms = step_ms
                 self.fork(seq, child, token)
-
-    def _prefill_slack_ms(self) -> float | None:
-        """The least time a prefilling prompt has left to its first-token deadline, ms (None: none has one)."""
-        dues = [s.first_token_by for s in self._prefilling if s.first_token_by is not None]
-        return (min(dues) - time.monotonic()) * 1000 if dues else None
 
     def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]]):
         items: list[PackedItem] = []

@@ -49,7 +49,6 @@ class Sequence:
     prompt: PreparedPrompt | None = None
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
-    first_token_by: float | None = None   # monotonic time its first token is due (the request's TTFT deadline)
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)

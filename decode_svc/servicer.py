@@ -261,7 +261,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                          min(request.max_tokens or res.max_tokens, res.max_tokens), for_choice(sampling, i),
                          rope_delta=res.rope_delta,   # the transfer or the colocated prompt must agree before insertion
                          prompt_ids=prompt_ids, events=events, shared=res.shared, index=i,
-                         state_slot=res.state_slot, rings=res.choice_rings(i), first_token_by=deadline)
+                         state_slot=res.state_slot, rings=res.choice_rings(i))
                 for i in range(res.choices)]
         seq = seqs[0]
         seq.forks = seqs[1:] if request.colocated else []

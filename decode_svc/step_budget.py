@@ -5,14 +5,7 @@ prompts is an inter-token gap for all of them. The policy (vLLM's token budget p
 in time instead of tokens): while sequences decode, the prompt chunks mixed into a step may add
 at most ``max(stretch x the decode step's own time, floor_ms)`` to it, priced from the measured
 cost of one prompt token; at least ``min_tokens`` always go in (no prompt starves behind a
-busy batch). With nothing decoding nobody's gap grows, so a step takes the full prefill budget,
-and more once a prompt token's cost is known: as many tokens as ``SLACK_SHARE`` of the tightest
-waiting prompt's time to its first-token deadline pays for, up to ``idle_tokens``: prompts that
-queued while nothing decoded (a burst, or arrivals during a long prefill step) go in together, as
-vLLM packs every waiting prompt into a step, and the weights are read once for all of them. Once
-one of them decodes, the gap rule spreads the rest one short prompt per step on the 140M bench
-model (16 26-token prompts: the last first token ~2 s after the first, against ~1.2 s of their
-compute in one step).
+busy batch). With nothing decoding a step takes the full prefill budget (nobody's gap grows).
 
 Both costs are moving averages of the scheduler's own steps: ``decode_ms`` of steps that only
 decode, ``token_ms`` of the prompt tokens in a step (steps that only prefill: their time per
@@ -24,29 +17,21 @@ the full prefill budget; on the 140M bench model it is about one short prompt pe
 
 from __future__ import annotations
 
-ALPHA = 0.3        # weight of the newest sample in each moving average
-SLACK_SHARE = 0.8  # of the tightest first-token deadline's time left, what an idle step may spend
+ALPHA = 0.3   # weight of the newest sample in each moving average
 
 
 class StepBudget:
-    def __init__(self, full_tokens: int, *, stretch: float = 1.0, floor_ms: float = 20.0, min_tokens: int = 16,
-                 idle_tokens: int | None = None):
+    def __init__(self, full_tokens: int, *, stretch: float = 1.0, floor_ms: float = 20.0, min_tokens: int = 16):
         self.full_tokens = full_tokens
-        self.idle_tokens = max(full_tokens, idle_tokens if idle_tokens is not None else 4 * full_tokens)
         self.stretch = stretch
         self.floor_ms = floor_ms
         self.min_tokens = min(min_tokens, full_tokens)
         self.decode_ms: float | None = None   # a step of decodes alone
         self.token_ms: float | None = None    # one prompt token's share of a step
 
-    def prefill_tokens(self, decoding: int, slack_ms: float | None = None) -> int:
-        """The prompt tokens the next step may carry beside ``decoding`` running sequences; ``slack_ms``:
-        the least time a waiting prompt has left to its first-token deadline (None: no deadline known)."""
-        if not decoding:
-            if slack_ms is None or not self.token_ms:
-                return self.full_tokens
-            return max(self.full_tokens, min(self.idle_tokens, int(SLACK_SHARE * slack_ms / self.token_ms)))
-        if self.decode_ms is None or not self.token_ms:
+    def prefill_tokens(self, decoding: int) -> int:
+        """The prompt tokens the next step may carry beside ``decoding`` running sequences."""
+        if not decoding or self.decode_ms is None or not self.token_ms:
             return self.full_tokens
         allowed_ms = max(self.stretch * self.decode_ms, self.floor_ms)
         return max(self.min_tokens, min(self.full_tokens, int(allowed_ms / self.token_ms)))

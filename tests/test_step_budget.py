@@ -33,16 +33,3 @@ def test_a_cheap_model_keeps_the_full_budget_and_a_prompt_never_starves():
     slow.observe(16, 0, 10.0)
     slow.observe(0, 10, 1000.0)                  # 100 ms a token
     assert slow.prefill_tokens(16) == 16          # still one chunk of at least min_tokens
-
-
-def test_an_idle_step_takes_what_the_tightest_first_token_deadline_pays_for():
-    b = StepBudget(256)                                    # idle_tokens: 4 x 256
-    assert b.prefill_tokens(0, slack_ms=2000.0) == 256     # a token's cost unknown: the full budget
-    b.observe(0, 100, 300.0)                               # 3 ms a token
-    assert b.prefill_tokens(0) == 256                      # no deadline known
-    assert b.prefill_tokens(0, slack_ms=1500.0) == 400     # 0.8 x 1500 ms at 3 ms a token
-    assert b.prefill_tokens(0, slack_ms=100.0) == 256      # never below the full budget
-    assert b.prefill_tokens(0, slack_ms=60_000.0) == 1024  # at most idle_tokens
-    b.observe(16, 0, 80.0)
-    assert b.prefill_tokens(16, slack_ms=60_000.0) == 26   # decoding: the gap's budget, whatever the deadline
-    assert StepBudget(256, idle_tokens=100).idle_tokens == 256   # never under the full budget
