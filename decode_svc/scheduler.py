@@ -286,7 +286,7 @@ class DecodeScheduler:
         items: list[PackedItem] = []
         if decoding:
             ids = torch.tensor([s.output[-1] for s in decoding], dtype=torch.long)
-            embeds = self.adapter.embed_tokens(ids)
+            embeds = self.adapter.embed_tokens(ids.tolist())
             items += [PackedItem(embeds[i: i + 1], s.next_position, s.blocks, rope_delta=s.rope_delta,
                                  state_slot=s.state_slot, rings=s.rings, token_ids=ids[i: i + 1])
                       for i, s in enumerate(decoding)]

@@ -254,10 +254,7 @@ class VLMAdapter:
             raise TypeError(f"{self.family.describe()}: embeddings alone lose the positions; use prepare()")
         return self.prepare(token_ids, image_embeddings).embeds
 
-    def embed_tokens(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """The input embeddings of ``token_ids`` (a list, or a long tensor the caller built already)."""
-        if isinstance(token_ids, torch.Tensor):
-            return self._embed_tokens(token_ids.to(self.device, torch.long))
+    def embed_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self._embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=self.device))
 
     # -- the forward ------------------------------------------------------------
@@ -376,7 +373,7 @@ class VLMAdapter:
                       states: StateSlotPool | None = None) -> list[SampledToken]:
         """``decode_step`` with each token's logprobs (when its sampling asks for them)."""
         ids = torch.tensor([b.token_id for b in batch], dtype=torch.long)
-        embeds = self.embed_tokens(ids)
+        embeds = self.embed_tokens(ids.tolist())
         items = [PackedItem(embeds[i: i + 1], b.position, b.blocks, rope_delta=b.rope_delta, state_slot=b.state_slot,
                             rings=b.rings, token_ids=ids[i: i + 1]) for i, b in enumerate(batch)]
         logits = self.forward_packed(pool, items, states)
