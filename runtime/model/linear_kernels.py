@@ -12,10 +12,10 @@ model at batch 16 on a 2-core AVX2 host: 53-63 ms against 81-90 ms), at batch 1 
 Only weights of at least ``MIN_ELEMENTS`` are switched: oneDNN's call costs about 10 us
 more than ``F.linear``'s, which a small layer never wins back (the 0.6M-parameter demo model
 keeps ``F.linear`` throughout; a 512 x 512 weight at 16 rows is 1.5x faster on oneDNN, at one
-row 1.6x slower; 1024 x 2816 wins at every batch with two threads). The choice is per layer and fixed, never per call, so a
-sequence runs the same kernel whatever it is batched with (the kernel may still round a row
-differently at another row count, as ``F.linear`` does; the greedy-identity tests run the split
-at several chunk sizes against ``generate()``).
+row 1.6x slower; 1024 x 2816 wins at every batch with two threads). The choice is per layer
+and fixed, never per call, so a sequence runs the same kernel whatever it is batched with
+(the kernel may still round a row differently at another row count, as ``F.linear`` does; the
+greedy-identity tests run the split at several chunk sizes against ``generate()``).
 
 Kernels (``KERNELS``): ``onednn`` (CPU, float32 or bfloat16 weights, a torch built with
 oneDNN) and ``torch`` (``F.linear``: every other device, or asked for). ``auto`` picks
