@@ -10,7 +10,7 @@ from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.faults import FaultInjector
 from runtime.worker.runner import WorkerRole, kv_pool_for, run_worker
 from runtime.worker.settings import WorkerSettings
-from runtime.worker.threads import fit_threads
+from runtime.worker.threads import fit_worker_threads
 
 from .bulk_receiver import BulkKVServer
 from .servicer import DecodeServicer
@@ -20,7 +20,7 @@ log = logging.getLogger("epd.decode")
 
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> DecodeServicer:
     """The KV pool, the servicer (reservations, receiver, scheduler, lease reaper) and the bulk KV path."""
-    threads = fit_threads(adapter.model)
+    threads = await fit_worker_threads(adapter.model)
     # hybrid decoders keep no prefix cache: a cached block has KV but no linear-attention state saved with it
     pool = kv_pool_for(adapter, settings, prefix_cache=settings.prefix_cache and not adapter.hybrid)
     servicer = DecodeServicer(adapter, pool, fetcher=EmbeddingFetcher.for_settings(settings), max_batch=settings.decode_max_batch,

@@ -7,6 +7,11 @@ in thread hand-offs than it saves, and its idle threads take cores the gateway a
 need (the 0.6M demo model served fewer requests/s with two decode threads than with one,
 ``bench/RESULTS.md``). So a worker whose weights are under ``SMALL_MODEL_BYTES`` runs on one
 thread whatever ``OMP_NUM_THREADS`` says; a larger one keeps what it was given.
+
+OpenMP's thread count is per calling thread: ``torch.set_num_threads`` on the event loop leaves
+the torch thread, where the forwards run (``runtime/worker/torch_thread.py``), with its own count
+and its own team, whose idle threads spin between steps (the demo model's decode worker had one
+OpenMP thread busy half a core while serving). ``fit_worker_threads`` sets both threads.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from runtime.worker import torch_thread
 
 log = logging.getLogger("epd.worker")
 
@@ -28,3 +35,10 @@ def fit_threads(model: torch.nn.Module) -> int:
         log.info("model weights %.1f MiB: one torch thread (a small model's ops are too small to split)",
                  weight_bytes / 2**20)
     return torch.get_num_threads()
+
+
+async def fit_worker_threads(model: torch.nn.Module) -> int:
+    """``fit_threads`` on the torch thread, where the model's forwards run, and on the calling thread."""
+    threads = await torch_thread.run(fit_threads, model)
+    fit_threads(model)
+    return threads
