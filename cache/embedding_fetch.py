@@ -1,7 +1,9 @@
 """Getting image embeddings by cache key, for whichever stage runs the prompt.
 
-Order: the shared encoder cache (Redis, when configured) -> the encoder named in
-the image ref, asked by key alone to return the tensor from its cache. Refs carry
+Order: the embedding inline in the ref (``ImageRef.embedding``: the gateway hands on a small
+one its Encode reply carried) -> the shared encoder cache (Redis, when configured) -> the encoder
+named in the image ref, asked by key alone to return the tensor from its cache. Whichever way it
+came, an embedding passes the same checks. Refs carry
 no image bytes (they travel once, gateway to encoder, in ``Encode``), so an entry
 the encoder no longer holds (evicted, or the encoder restarted, between the
 gateway's Encode and this fetch) is an ``EmbeddingFetchError``: the request ends
@@ -33,6 +35,7 @@ from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 
 from runtime.model.families import EmbeddingFormatError, ImageEmbedding
+from runtime.model.tensor_bytes import TensorFormatError
 from runtime.worker.internal_auth import open_channel
 from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
 from runtime.worker.wire import ref_grids, tensor_from_pb
@@ -64,6 +67,18 @@ def checked_embeddings(decode: Callable[[Sequence[torch.Tensor]], list[ImageEmbe
         if grid != record.grid:
             raise StaleEmbeddingError(f"embedding {ref.cache_key} has grid {record.grid}, the request's image {grid}")
     return records
+
+
+def _inline(images: Sequence[pb.ImageRef]) -> dict[int, torch.Tensor]:
+    """The embeddings that came inline with the request, by index; a malformed one is a stale entry."""
+    found = {}
+    for i, ref in enumerate(images):
+        if ref.HasField("embedding"):
+            try:
+                found[i] = tensor_from_pb(ref.embedding)
+            except TensorFormatError as exc:
+                raise StaleEmbeddingError(f"inline embedding {ref.cache_key}: {exc}") from exc
+    return found
 
 
 class EmbeddingFetcher:
@@ -104,9 +119,11 @@ class EmbeddingFetcher:
             await self.require_encoders(images)
         except UnknownPeerError as exc:
             raise UnknownEncoderError(str(exc)) from exc
-        found: dict[int, torch.Tensor] = {}
+        found = _inline(images)
         if self.cache is not None:
             for i, ref in enumerate(images):
+                if i in found:
+                    continue
                 try:
                     t = await self.cache.get(ref.cache_key)
                 except Exception as exc:  # cache trouble degrades to asking the encoder

@@ -14,6 +14,10 @@ encodes it in for its prompt's image count, ``""`` for most). Per image of an ``
   else; NOT_FOUND when this encoder's cache no longer holds the entry (the bytes are
   not here to re-encode from: the request fails with a 503, see ``cache/embedding_fetch.py``).
 
+The reply carries each embedding when asked (``return_embeddings``: a worker's fetch) or when it
+is at most ``inline_up_to_bytes`` (the gateway's Encode: it hands small embeddings on inline in the
+Generate or Prefill that follows, so that worker does not fetch them again).
+
 ``cache_hits`` counts client images (bytes sent) that did not need encoding; a
 worker's lookup by key is no hit: one new image shows 1 compute and 0 hits.
 Concurrent misses for one key are merged into one encode (single-flight, across
@@ -30,7 +34,7 @@ import grpc
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from cache.encoder_cache import EncoderCache
+from cache.encoder_cache import EncoderCache, tensor_nbytes
 from cache.keys import image_content_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
@@ -81,7 +85,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 (record,) = self.adapter.embeddings([tensor])   # the stored layout read back (checked)
                 item = pb.EncodedImage(cache_key=key, cache_hit=hit, tokens=record.tokens, grid_thw=record.grid or (),
                                        layout_variant=image.ref.layout_variant)
-                if request.return_embeddings:
+                if request.return_embeddings or tensor_nbytes(tensor) <= request.inline_up_to_bytes:
                     item.embedding.CopyFrom(tensor_to_pb(tensor))
                 out.append(item)
             return pb.EncodeResponse(images=out, encode_ms=(time.perf_counter() - started) * 1000)

@@ -10,7 +10,9 @@ and each image's grid and layout variant as the encoder made them must be the ga
 two processors' settings differ, or the encoder ignores variants: a 503 before anything is reserved).
 
 The bytes travel once, here. What Prefill and Generate carry is ``ImagePlan.refs``:
-key, salt, layout variant and encoder address, no bytes; the worker fetches the embedding by key.
+key, salt, layout variant and encoder address, no bytes; the worker fetches the embedding by key,
+unless the ref carries it: an embedding of at most ``inline_up_to_bytes`` (``EPD_INLINE_EMBEDDING_BYTES``)
+comes back with ``Encode`` and rides inline on the ref (one fetch RPC less on the first token's path).
 Salted keys everywhere (seen_images, Cached, Encode, the breakdown's hit count): a
 request learns about cached images only within its own salt, never another tenant's.
 """
@@ -51,10 +53,11 @@ class ImagePlan:
 
 
 class EncoderStep:
-    def __init__(self, registry: WorkerRegistry, rpc: WorkerRpc, seen_images: SeenImages):
+    def __init__(self, registry: WorkerRegistry, rpc: WorkerRpc, seen_images: SeenImages, inline_up_to_bytes: int = 0):
         self.registry = registry
         self.rpc = rpc
         self.seen_images = seen_images
+        self.inline_up_to_bytes = inline_up_to_bytes
 
     async def plan(self, job: ChatJob) -> ImagePlan:
         """Keys and cache knowledge for ``job``'s images; 503 when they have no encoder to go to."""
@@ -98,7 +101,7 @@ class EncoderStep:
         t0 = time.monotonic()
         refs = [plan.refs[i] for i in todo]
         images = [pb.EncodeImage(ref=plan.refs[i], data=job.images[i].data) for i in todo]
-        resp = await self.rpc.encode(plan.encoder, job, images)
+        resp = await self.rpc.encode(plan.encoder, job, images, self.inline_up_to_bytes)
         for ref, image in zip(refs, resp.images):
             if list(ref.grid_thw) != list(image.grid_thw):   # this gateway's processor is not the encoder's
                 raise BackendFailure(f"encoder {plan.encoder.address} made image {ref.cache_key[:12]} a grid "
@@ -107,6 +110,8 @@ class EncoderStep:
             if ref.layout_variant != image.layout_variant:   # an encoder that does not know layout variants
                 raise BackendFailure(f"encoder {plan.encoder.address} encoded image {ref.cache_key[:12]} in layout "
                                      f"variant {image.layout_variant!r}, not the prompt's {ref.layout_variant!r}", 503)
+            if image.HasField("embedding"):   # small enough to ride on the next RPC: its worker need not fetch it
+                ref.embedding.CopyFrom(image.embedding)
         breakdown["encode_ms"] = breakdown.get("encode_ms", 0.0) + (time.monotonic() - t0) * 1000
         breakdown["images_cache_hit"] = breakdown.get("images_cache_hit", 0.0) + float(sum(i.cache_hit for i in resp.images))
         for i, image in zip(todo, resp.images):

@@ -67,7 +67,7 @@ class Orchestrator:
                                                    on_refresh=self._publish_gauges, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
-        self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages())
+        self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages(), settings.inline_embedding_bytes)
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:

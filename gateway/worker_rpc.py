@@ -75,10 +75,13 @@ class WorkerRpc:
             return set()
         return {k for k, hit in zip(keys, answer) if hit}
 
-    async def encode(self, encoder: WorkerHandle, job: ChatJob, images: list[pb.EncodeImage]) -> pb.EncodeResponse:
+    async def encode(self, encoder: WorkerHandle, job: ChatJob, images: list[pb.EncodeImage],
+                     inline_up_to_bytes: int = 0) -> pb.EncodeResponse:
+        """Encode ``images``; each embedding of at most ``inline_up_to_bytes`` comes back in the reply."""
         try:
             return await encoder.stub.Encode(
-                pb.EncodeRequest(request_id=job.request_id, images=images, return_embeddings=False),
+                pb.EncodeRequest(request_id=job.request_id, images=images, return_embeddings=False,
+                                 inline_up_to_bytes=inline_up_to_bytes),
                 timeout=time_left_s(job.ttft_deadline_s))
         except grpc.aio.AioRpcError as exc:
             raise self.failure("encoder", encoder, exc, job) from exc

@@ -1,4 +1,5 @@
-"""An embedding that cannot be fetched fails its own request, never the worker that tried.
+"""An embedding that cannot be fetched fails its own request, never the worker that tried; one
+that rode inline on the request needs no fetch.
 
 Real worker processes (two encoders, one prefill, one decode, the demo model) and
 the gateway's Orchestrator. The encoder that encodes the request's image is killed
@@ -13,6 +14,10 @@ gateway's registry and serve the next request correctly, and nothing stays held
 The registry does not poll on its own here (``poll_s`` is huge): health changes only
 through the orchestrator's own verdicts, so "still healthy" means the gateway did
 not blame the worker, not that a poll happened to revive it.
+
+With inline embeddings (``EPD_INLINE_EMBEDDING_BYTES``, on by default; the demo model's are a few
+KiB) the Encode reply carried the embedding and the gateway handed it on with the request: the
+same killed encoder then costs nothing, the request is answered.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def stack(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("fetch-failure"))
     try:
         cluster.start("encoder")                     # the stable one
-        for _ in PLACEMENTS:                         # one to kill per test, known to every peer list
+        for _ in CASES:                              # one to kill per test, known to every peer list
             cluster.start("encoder")
         cluster.start("decode", env=LONG_LEASES)
         cluster.start("prefill")
@@ -91,26 +96,16 @@ async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
 
 
 PLACEMENTS = ["colocated", "disaggregated"]
+CASES = [(placement, inline) for inline in (False, True) for placement in PLACEMENTS]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_stays_healthy(stack, processor, placement):
-    encoders = stack.by_role("encoder")
-    doomed = encoders[1 + PLACEMENTS.index(placement)]
-    stable = encoders[:1]
+    # always fetched by key: what this test is about
+    orch, doomed, check = await start_gateway(stack, placement, inline=False)
     prefill, decode = stack.by_role("prefill")[0], stack.by_role("decode")[0]
-    settings = GatewaySettings(encoder_addrs=[doomed.address, stable[0].address], prefill_addrs=[prefill.address],
-                               decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8)
-    orch = Orchestrator(settings)
-    orch.registry.poll_s = 3600.0         # no background polls: only the orchestrator's verdicts change health
-    killed = encoders[1: 2 + PLACEMENTS.index(placement)]   # this test's doomed encoder and any earlier one
-    check = LeakCheck.of_cluster(stack, exclude=[e.address for e in killed], gateways=[orchestrator_counters(orch)]).begin()
-    await orch.start()
     try:
         registry = orch.registry
-        assert all(h.healthy for role in ("encoder", "prefill", "decode") for h in registry.workers[role].values())
-        handle = registry.get("encoder", doomed.address)
-        handle.stub = KillAfterEncode(handle.stub, doomed.proc)   # ties pick the first encoder: the doomed one
 
         job, answer = make_job(processor, seed=41)
         with pytest.raises(BackendFailure) as info:
@@ -131,3 +126,37 @@ async def test_unfetchable_embedding_is_a_503_for_that_request_and_the_worker_st
         await check.settled()                  # the failed request freed everything itself, not the reaper
     finally:
         await orch.close()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+async def test_an_embedding_that_came_inline_needs_no_fetch(stack, processor, placement):
+    orch, doomed, check = await start_gateway(stack, placement, inline=True)
+    try:
+        job, answer = make_job(processor, seed=43)
+        assert await run(orch, processor, job) == answer   # the encoder died after its reply: nothing asked it again
+        assert doomed.proc.poll() is not None, "the encoder should have been killed after encoding"
+        await check.settled()
+    finally:
+        await orch.close()
+
+
+async def start_gateway(stack, placement: str, *, inline: bool):
+    """An orchestrator whose first encoder (the case's own) is killed right after its first Encode
+    reply; started, every worker healthy. Returns it, that encoder and the leak check."""
+    case = CASES.index((placement, inline))
+    encoders = stack.by_role("encoder")
+    doomed, stable = encoders[1 + case], encoders[0]
+    prefill, decode = stack.by_role("prefill")[0], stack.by_role("decode")[0]
+    settings = GatewaySettings(encoder_addrs=[doomed.address, stable.address], prefill_addrs=[prefill.address],
+                               decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8,
+                               inline_embedding_bytes=(1 << 20) if inline else 0)
+    orch = Orchestrator(settings)
+    orch.registry.poll_s = 3600.0         # no background polls: only the orchestrator's verdicts change health
+    killed = encoders[1: 2 + case]        # this test's doomed encoder and any earlier one
+    check = LeakCheck.of_cluster(stack, exclude=[e.address for e in killed], gateways=[orchestrator_counters(orch)]).begin()
+    await orch.start()
+    registry = orch.registry
+    assert all(h.healthy for role in ("encoder", "prefill", "decode") for h in registry.workers[role].values())
+    handle = registry.get("encoder", doomed.address)
+    handle.stub = KillAfterEncode(handle.stub, doomed.proc)   # ties pick the first encoder: the doomed one
+    return orch, doomed, check

@@ -134,3 +134,22 @@ async def test_a_key_that_does_not_match_the_bytes_is_refused_on_a_miss_and_noth
     async with grpc.aio.insecure_channel(a.address) as ch:
         assert list((await pb_grpc.EncoderStub(ch).Cached(pb.CachedRequest(cache_keys=[wrong]), timeout=5)).cached) \
             == [False]
+
+
+async def test_the_gateways_encode_gets_back_only_embeddings_that_fit_inline(encoders):
+    """``inline_up_to_bytes``: an embedding at most that large comes back with the reply (the gateway
+    hands it on inline), a larger one does not (the worker fetches it by key)."""
+    a, _ = encoders
+    data = fresh_png(7)
+    size = len((await encode(a.address, data)).embedding.data)
+    assert size > 0
+
+    async def inline(limit: int) -> pb.EncodedImage:
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            resp = await pb_grpc.EncoderStub(ch).Encode(pb.EncodeRequest(
+                request_id="t", images=[pb.EncodeImage(data=data)], inline_up_to_bytes=limit), timeout=30)
+        return resp.images[0]
+
+    assert len((await inline(size)).embedding.data) == size
+    assert not (await inline(size - 1)).HasField("embedding")
+    assert not (await inline(0)).HasField("embedding")

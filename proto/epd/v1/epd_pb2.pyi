@@ -69,20 +69,22 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens", "layout_variant")
+    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens", "layout_variant", "embedding")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VARIANT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     encoder_address: str
     cache_salt: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     placeholder_tokens: int
     layout_variant: str
-    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ..., layout_variant: _Optional[str] = ...) -> None: ...
+    embedding: Tensor
+    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ..., layout_variant: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
@@ -189,14 +191,16 @@ class EncodeImage(_message.Message):
     def __init__(self, ref: _Optional[_Union[ImageRef, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "return_embeddings", "images")
+    __slots__ = ("request_id", "return_embeddings", "images", "inline_up_to_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_UP_TO_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     return_embeddings: bool
     images: _containers.RepeatedCompositeFieldContainer[EncodeImage]
-    def __init__(self, request_id: _Optional[str] = ..., return_embeddings: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[EncodeImage, _Mapping]]] = ...) -> None: ...
+    inline_up_to_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., return_embeddings: _Optional[bool] = ..., images: _Optional[_Iterable[_Union[EncodeImage, _Mapping]]] = ..., inline_up_to_bytes: _Optional[int] = ...) -> None: ...
 
 class EncodedImage(_message.Message):
     __slots__ = ("cache_key", "cache_hit", "tokens", "embedding", "grid_thw", "layout_variant")
