@@ -243,7 +243,7 @@ class DecodeScheduler:
             return
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
-        budget = self.step_budget.prefill_tokens(len(decoding))
+        budget = self.step_budget.prefill_tokens(len(decoding), len(self._prefilling))
         for seq in self._prefilling:
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
