@@ -40,6 +40,7 @@ from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.errors import InvalidImage
 from runtime.model.model_adapter import VLMAdapter
+from runtime.worker.host_identity import cpu_cores
 from runtime.worker.serving_state import ServingState
 from runtime.worker.tracing import span
 from runtime.worker.wire import tensor_to_pb
@@ -54,7 +55,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint,
-                                  linear_kernel=adapter.linear_kernel)
+                                  linear_kernel=adapter.linear_kernel, cpu=cpu_cores(adapter.device))
         self.in_flight = 0
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first
