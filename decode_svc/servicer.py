@@ -73,7 +73,6 @@ from runtime.model.prefix_keys import summary_id
 from runtime.model.sampling import MAX_CHOICES, for_choice
 from runtime.worker.faults import FaultInjector
 from runtime.worker.rope_delta import RopeDeltaRule
-from runtime.worker.host_identity import cpu_cores
 from runtime.worker.serving_state import ServingState
 from runtime.worker.timing_log import TimingLog
 from runtime.worker.tracing import annotate, span
@@ -128,7 +127,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
         self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel,
-                                  adapter.linear_kernel, cpu_cores(adapter.device))
+                                  adapter.linear_kernel)
         self._boot = uuid.uuid4().hex[:12]   # a restarted worker's summary is a new one (its cache is gone)
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self._reaper: asyncio.Task | None = None

@@ -40,7 +40,6 @@ from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.errors import InvalidImage
 from runtime.model.model_adapter import VLMAdapter
-from runtime.worker.host_identity import cpu_cores
 from runtime.worker.serving_state import ServingState
 from runtime.worker.tracing import span
 from runtime.worker.wire import tensor_to_pb
@@ -55,7 +54,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint,
-                                  linear_kernel=adapter.linear_kernel, cpu=cpu_cores(adapter.device))
+                                  linear_kernel=adapter.linear_kernel)
         self.in_flight = 0
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first

@@ -22,7 +22,7 @@ import time
 
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.policy.cost_model import CostModel
-from runtime.policy.loads import CpuCores, RequestShape, StageLoads
+from runtime.policy.loads import RequestShape, StageLoads
 from runtime.policy.placement_policy import COLOCATED, Admission, admit
 from runtime.policy.service_times import ServiceTimes
 from runtime.policy.worker_stats import Role, StatsSnapshot, WorkerReport, stage_loads
@@ -53,7 +53,6 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
         ring_groups=stats.ring_groups if decode else 0, ring_blocks=stats.ring_blocks if decode else 0,
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),
         cached_prefix_tokens=cached_prefix_tokens if decode else 0, cached_images=cached_images if decode else 0,
-        cpu=CpuCores(stats.cpu.host, stats.cpu.cores, stats.cpu.threads) if stats.HasField("cpu") else None,
     )
 
 

@@ -35,7 +35,6 @@ from runtime.worker.faults import FaultInjector
 from runtime.worker.peers import UnknownPeerError
 from runtime.worker.rope_delta import RopeDeltaRule
 from runtime.worker.rpc_failure import FailureKind, abort_with
-from runtime.worker.host_identity import cpu_cores
 from runtime.worker.serving_state import ServingState
 from runtime.worker.wire import ref_grids, sampling_from_pb, token_digest, variant_problem
 
@@ -53,7 +52,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.default_chunk_tokens = default_chunk_tokens
         self.faults = faults
         self.state = ServingState("prefill", scheduler.timings, adapter.model_fingerprint, adapter.attention_kernel,
-                                  adapter.linear_kernel, cpu_cores(adapter.device))
+                                  adapter.linear_kernel)
         self.in_flight = 0
         self._token = token
         self.decodes = DecodeLinks(fetcher.peers, token)   # borrows the fetcher's peer directory

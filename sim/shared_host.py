@@ -43,7 +43,6 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from runtime.policy.loads import CpuCores
 from runtime.policy.worker_stats import Role
 from sim.decode_worker import CHUNK, IDLE, PREFILL, STEPPING, DecodeWorker
 from sim.events import EventQueue
@@ -80,11 +79,6 @@ class HostCpu:
         self.stretch_ms = 0.0  # summed over finished pieces: time taken less work
         self.pieces = 0
         self.work_ms = 0.0  # the stack's work done (idle ms), other work not counted
-
-    @property
-    def cores_of_one_worker(self) -> CpuCores:
-        """What each simulated worker reports of its cores: all of the host's, one thread of work."""
-        return CpuCores("simulated-host", self.cores, 1)
 
     def run(self, now: float, work_ms: float, done: Done, arg: Any = None, group: Any = None) -> None:
         """Start a piece of ``work_ms`` now; ``done(t, arg)`` runs when it is finished. Pieces with
@@ -184,7 +178,6 @@ class SharedServer(Server):
                  cpu: HostCpu) -> None:
         super().__init__(index, name, events, on_start, on_done, role)
         self._cpu = cpu
-        self._report.cpu = cpu.cores_of_one_worker   # placement sees what the gateway sees on one CPU host
 
     def _start(self, req: Any, service_ms: float, now: float) -> None:
         self.busy = True
@@ -213,7 +206,6 @@ class SharedDecodeWorker(DecodeWorker):
     def __init__(self, *args: Any, cpu: HostCpu, step_extra_ms: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cpu = cpu
-        self._report.cpu = cpu.cores_of_one_worker
         self.step_extra_ms = step_extra_ms
         self._started = self._work = 0.0
         self.per_step = True

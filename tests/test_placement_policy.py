@@ -7,7 +7,6 @@ import pytest
 from runtime.policy.cost_model import CostModel
 from runtime.policy.failure_policy import on_transfer_failure
 from runtime.policy.loads import (
-    CpuCores,
     DecodeWorkerLoad,
     EncoderLoad,
     LinkLoad,
@@ -121,30 +120,6 @@ def test_short_prompt_beside_busy_decoders_stays_colocated() -> None:
     decision = choose_placement(SHORT, loads(busy(running=20)), CM, "conditional", 600.0, 150.0)
     assert decision is not None and decision.placement == "colocated"
     assert decision.estimates["local_gap_ms"] < 150.0
-
-
-def test_a_prefill_worker_on_the_decode_workers_cpu_cores_adds_no_capacity() -> None:
-    """A short prompt behind a decode worker's local queue: a prefill worker elsewhere is faster
-    (the split), one computing on the same CPU cores only looks idle (colocated, ``shared_cores``);
-    a long prompt that would stall the neighbours still goes remote on shared cores."""
-    two_cores = CpuCores("host-a/0-1", 2, 1)
-    queued = busy(running=4, queue_wait_ms=200.0, cpu=two_cores)
-    apart = choose_placement(SHORT, loads(queued, prefill=(PrefillWorkerLoad("p0", cpu=CpuCores("host-b/0-1", 2, 1)),)),
-                             CM, "conditional", 600.0, 150.0)
-    assert apart is not None and (apart.placement, apart.reason) == ("disaggregated", "local_queue_slower")
-    roomy = busy(running=4, queue_wait_ms=200.0, cpu=CpuCores("host-a/0-63", 64, 16))
-    spare = choose_placement(SHORT, loads(roomy, prefill=(PrefillWorkerLoad("p0", cpu=CpuCores("host-a/0-63", 64, 16)),)),
-                             CM, "conditional", 600.0, 150.0)
-    assert spare is not None and spare.placement == "disaggregated"   # one host, but cores to spare
-    same = (PrefillWorkerLoad("p0", cpu=two_cores),)
-    shared = choose_placement(SHORT, loads(queued, prefill=same), CM, "conditional", 600.0, 150.0)
-    assert shared is not None and (shared.placement, shared.reason) == ("colocated", "shared_cores")
-    assert shared.estimates["remote_ttft_ms"] < shared.estimates["local_ttft_ms"]
-    accelerators = choose_placement(SHORT, loads(busy(running=4, queue_wait_ms=200.0), prefill=(PrefillWorkerLoad("p0"),)),
-                                    CM, "conditional", 600.0, 150.0)
-    assert accelerators is not None and accelerators.placement == "disaggregated"   # no CPU cores named
-    stall = choose_placement(LONG, loads(busy(running=8, cpu=two_cores), prefill=same), CM, "conditional", 600.0, 150.0)
-    assert stall is not None and (stall.placement, stall.reason) == ("disaggregated", "long_prompt_busy_decoders")
 
 
 def test_conditional_prefers_an_idle_decode_worker_for_local_prefill() -> None:

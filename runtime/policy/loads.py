@@ -35,21 +35,6 @@ class RequestShape:
             raise ValueError(f"need 0 <= n_images_cached <= n_images, got {self.n_images_cached}/{self.n_images}")
 
 
-@dataclass(frozen=True, slots=True)
-class CpuCores:
-    """The CPU cores a worker computes on (``runtime/worker/host_identity.py``): ``host`` names the
-    set (a machine and its cpus), ``cores`` is its size, ``threads`` the worker's compute threads."""
-
-    host: str
-    cores: int
-    threads: int
-
-    def crowds(self, other: CpuCores | None) -> bool:
-        """Whether this worker and ``other`` fill one set of cores between them (then work moved from
-        one to the other takes the same cores, and the rest of the host's work competes already)."""
-        return other is not None and other.host == self.host and self.threads + other.threads >= self.cores
-
-
 @dataclass(slots=True)
 class EncoderLoad:
     """The encoder pool: wait until the least-loaded encoder could start."""
@@ -61,7 +46,6 @@ class EncoderLoad:
 class PrefillWorkerLoad:
     address: str
     queue_wait_ms: float = 0.0  # until this worker could start a new prompt
-    cpu: CpuCores | None = None  # the CPU cores it computes on (None: an accelerator)
 
 
 @dataclass(slots=True)
@@ -81,7 +65,6 @@ class DecodeWorkerLoad:
     cached_images: int = 0  # of this request's images, wholly inside that prefix (no encode when colocated here)
     ring_groups: int = 0  # windowed pool: rings per sequence (sliding-window layers; 0: dense)
     ring_blocks: int = 0  # ... and the most blocks one ring holds
-    cpu: CpuCores | None = None  # the CPU cores it computes on (None: an accelerator)
 
     def __post_init__(self) -> None:
         if self.cached_prefix_tokens < 0 or self.cached_images < 0:

@@ -17,20 +17,13 @@ Placements:
   before the first token. TTFT = P's queue + prefill + transfer (behind the link's
   queue) + X's slot wait + one step.
 - ``conditional``: per request, the option that harms fewer requests' SLOs, then
-  the cheaper one (but on one CPU host, below). Harm ("damage") counts this request if its TTFT estimate
+  the cheaper one. Harm ("damage") counts this request if its TTFT estimate
   misses the deadline, plus, for colocated, every running neighbour whose next
   gap would breach the ITL SLO. Cost in ms is the TTFT, plus for colocated the
   interference ``neighbours x stall`` summed over SLO-breaching gaps (a stall that
   keeps every gap within the SLO costs nothing). So a long prompt beside busy
   decoders goes remote (the chapter's 8 neighbours x 230 ms stall against a
   95 ms transfer), and under low load the transfer buys nothing and colocated wins.
-  When the prefill worker computes on the decode worker's own CPU cores and the two
-  fill them (``CpuCores.crowds``: ``epd serve`` on a CPU host gives decode every core), its
-  short queue is no spare capacity: the prompt would take the same cores and add the
-  handoff's work. There the split is chosen
-  only for harm (a neighbour's ITL breach, a deadline only it meets), never for a lower
-  TTFT estimate alone (reason ``shared_cores``): at 16 concurrent demo requests on 2 cores
-  the split's requests cost 13-14 ms of CPU each against 11 colocated.
 
 Admission (``admit``) places the request, then refuses it when the chosen placement's
 TTFT estimate, plus the pipeline's backlog and the model's recent misprediction
@@ -63,8 +56,6 @@ REASONS: tuple[str, ...] = (
     "long_prompt_busy_decoders",  # remote: colocated would breach the neighbours' ITL SLO
     "local_misses_deadline",  # remote: only it meets this request's TTFT deadline
     "local_queue_slower",  # remote: equal harm, lower TTFT
-    "shared_cores",  # colocated: remote would be faster by its estimate, but its prefill worker computes on the
-    # decode worker's CPU cores, so the idle-looking prefill queue is no capacity the split adds
 )
 
 
@@ -213,10 +204,7 @@ def choose_placement(
     local_miss = local.ttft_ms > ttft_deadline_ms
     remote_miss = remote.ttft_ms > ttft_deadline_ms
     local_harm = local_miss + local.breached
-    faster = remote.ttft_ms < local.ttft_ms + local.interference_ms
-    if remote_miss == local_harm and faster and not local.interference_ms and _share_cores(loads, remote, local):
-        return _decision(local, "shared_cores", local, remote)
-    if remote_miss < local_harm or (remote_miss == local_harm and faster):
+    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms < local.ttft_ms + local.interference_ms):
         if local.breached:
             reason = "long_prompt_busy_decoders"
         else:
@@ -227,12 +215,6 @@ def choose_placement(
     else:
         reason = "remote_misses_deadline" if remote_miss and not local_miss else "short_prompt_low_load"
     return _decision(local, reason, local, remote)
-
-
-def _share_cores(loads: StageLoads, remote: RemoteEstimate, local: LocalEstimate) -> bool:
-    """Whether the remote option's prefill worker and the local decode worker fill one set of CPU cores."""
-    prefill = next((p.cpu for p in loads.prefill if p.address == remote.prefill_worker), None)
-    return prefill is not None and any(w.address == local.worker and prefill.crowds(w.cpu) for w in loads.decode)
 
 
 def _best_local(

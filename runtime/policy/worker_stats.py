@@ -34,7 +34,6 @@ from typing import Any
 
 from runtime.policy.cost_model import CostModel
 from runtime.policy.loads import (
-    CpuCores,
     DecodeWorkerLoad,
     EncoderLoad,
     LinkLoad,
@@ -68,12 +67,9 @@ class WorkerReport:
     in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
     cached_prefix_tokens: int = 0  # decode: of this request's prompt, held there as cached KV
     cached_images: int = 0  # decode: this request's images wholly inside that cached prefix
-    cpu: CpuCores | None = None  # the CPU cores it computes on (None: an accelerator)
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
-        if isinstance(self.cpu, dict):   # from_dict
-            self.cpu = CpuCores(**self.cpu)
         if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight,
                self.cached_prefix_tokens, self.cached_images) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
@@ -115,8 +111,7 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> 
         if w.role is Role.DECODE:
             decode.append(decode_load(w, shape, cm))
         elif w.role is Role.PREFILL:
-            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending),
-                                             cpu=w.cpu))
+            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending)))
         elif encoder_queue is None or pending < encoder_queue:
             encoder_queue = pending
     encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
@@ -140,5 +135,4 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
                             slot_wait, ring_groups=w.ring_groups, ring_blocks=w.ring_blocks,
                             cached_prefix_tokens=cached if cached > 0 else 0,
-                            cached_images=min(w.cached_images, shape.n_images) if cached > 0 else 0,
-                            cpu=w.cpu)
+                            cached_images=min(w.cached_images, shape.n_images) if cached > 0 else 0)

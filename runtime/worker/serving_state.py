@@ -15,19 +15,17 @@ import time
 from collections.abc import Callable
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.policy.loads import CpuCores
 from runtime.worker.timing_log import TimingLog
 
 
 class ServingState:
     def __init__(self, role: str, timings: TimingLog, model_fingerprint: str, attention_kernel: str = "",
-                 linear_kernel: str = "", cpu: CpuCores | None = None):
+                 linear_kernel: str = ""):
         self.role = role
         self.timings = timings                 # the samples every Stats reply carries (owned by the role's loop)
         self.model_fingerprint = model_fingerprint
         self.attention_kernel = attention_kernel  # prefill / decode: the kernel the adapter selected ("" elsewhere)
         self.linear_kernel = linear_kernel        # the kernel the adapter's linear layers run
-        self.cpu = cpu                            # the CPU cores it computes on (None on an accelerator)
         self.address = ""                      # set by the runner once the gRPC server is bound
         self.serving = True                    # False from the start of a drain
 
@@ -43,7 +41,5 @@ class ServingState:
         samples = self.timings.since(request.since_sample)
         return pb.WorkerStats(
             role=self.role, address=self.address, serving=self.serving, model_fingerprint=self.model_fingerprint,
-            attention_kernel=self.attention_kernel, linear_kernel=self.linear_kernel,
-            cpu=None if self.cpu is None else pb.CpuCores(host=self.cpu.host, cores=self.cpu.cores, threads=self.cpu.threads),
-            samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
+            attention_kernel=self.attention_kernel, linear_kernel=self.linear_kernel, samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
             last_sample=self.timings.last_seq, **gauges)
