@@ -169,6 +169,8 @@ class Handoff:
         if self.result.outcome is AttemptOutcome.FIRST_TOKEN:
             record_first_event(self.result, self.breakdown)
             self.state = HandoffState.STREAMING
+            for ref in self.refs:   # no further attempt will send them: a long stream holds no embedding bytes
+                ref.ClearField("embedding")
         else:
             self.state = HandoffState.RECOVERING
 

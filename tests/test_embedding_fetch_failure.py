@@ -155,8 +155,12 @@ async def start_gateway(stack, placement: str, *, inline: bool):
     killed = encoders[1: 2 + case]        # this test's doomed encoder and any earlier one
     check = LeakCheck.of_cluster(stack, exclude=[e.address for e in killed], gateways=[orchestrator_counters(orch)]).begin()
     await orch.start()
-    registry = orch.registry
-    assert all(h.healthy for role in ("encoder", "prefill", "decode") for h in registry.workers[role].values())
+    try:
+        registry = orch.registry
+        assert all(h.healthy for role in ("encoder", "prefill", "decode") for h in registry.workers[role].values())
+    except BaseException:
+        await orch.close()
+        raise
     handle = registry.get("encoder", doomed.address)
     handle.stub = KillAfterEncode(handle.stub, doomed.proc)   # ties pick the first encoder: the doomed one
     return orch, doomed, check

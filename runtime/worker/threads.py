@@ -38,7 +38,7 @@ def fit_threads(model: torch.nn.Module) -> int:
 
 
 async def fit_worker_threads(model: torch.nn.Module) -> int:
-    """``fit_threads`` on the torch thread, where the model's forwards run, and on the calling thread."""
+    """``fit_threads`` on the torch thread, where the model's forwards run; the calling thread gets the same count."""
     threads = await torch_thread.run(fit_threads, model)
-    fit_threads(model)
+    torch.set_num_threads(threads)
     return threads
