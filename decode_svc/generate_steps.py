@@ -127,6 +127,7 @@ class GenerateSteps:
         if not self.table.mark_inserted(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while embedding the prompt")
         seq.prefilled = res.cached_tokens      # the shared blocks hold these positions' KV
+        seq.first_token_deadline_s = deadline
         self.scheduler.insert_colocated(seq, prompt, chunk_tokens=request.chunk_tokens or None)
 
     async def _fetch_uncached(self, request: pb.GenerateRequest, res: Reservation, deadline: float) -> list:

@@ -11,7 +11,9 @@ One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
 budget: while sequences decode, ``step_budget.StepBudget`` prices the prompt tokens a
 step may carry so it stays near a decode step's own time), so a long colocated prompt,
-or a burst of short ones, is spread across steps instead of stalling its neighbours. A colocated prompt is a ``PreparedPrompt``
+or a burst of short ones, is spread across steps instead of stalling its neighbours. The
+budget goes to the prompts in ``prefill_order``'s order: least remaining prompt first, those
+whose first-token deadline is at risk before the rest. A colocated prompt is a ``PreparedPrompt``
 (embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
 decode token carries its sequence's ``rope_delta`` (M-RoPE: position = index +
 delta; 0 for 1-D families), verified before the sequence was handed over. Sequences join and leave only at step
@@ -74,6 +76,7 @@ from runtime.worker.background_loop import start_loop, stop_loop
 from runtime.worker.timing_log import TimingLog
 
 from .request_status import DecodeStatus
+from .prefill_order import prefill_order
 from .sequence import Sequence, StepEvent, allowed_mask
 from .step_budget import StepBudget
 
@@ -244,7 +247,7 @@ class DecodeScheduler:
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
         budget = self.step_budget.prefill_tokens(len(decoding), len(self._prefilling))
-        for seq in self._prefilling:
+        for seq in prefill_order(self._prefilling, self.step_budget.token_ms, time.monotonic()):
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled

@@ -10,6 +10,7 @@ tokens, and on its last event the finished status.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from runtime.model import grammar
@@ -49,6 +50,7 @@ class Sequence:
     prompt: PreparedPrompt | None = None
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
+    first_token_deadline_s: float = math.inf   # monotonic; colocated prompts are ordered by it when at risk (``prefill_order``)
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)
     shared: int = 0                    # leading blocks that are cached KV (read-only, referenced)
