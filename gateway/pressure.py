@@ -53,6 +53,8 @@ from collections import deque
 from runtime.policy.busy_time import BusyClock
 from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
+from .window_quantile import WindowQuantile
+
 
 class FirstTokenPressure:
     def __init__(self, window_s: float = 5.0, min_samples: int = 8, overrun_quantile: float = 0.95,
@@ -66,16 +68,18 @@ class FirstTokenPressure:
         self._peak: tuple[float, float] | None = None   # (time, rate): highest window rate lately
         self.waiting = 0                       # admitted, no first token yet
         self._busy = BusyClock(window_s)       # when ``waiting`` was above 0 (the rate's denominator)
-        self._firsts: deque[tuple[float, float | None]] = deque()   # (time, overrun ms or None) of recent first tokens
-        self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of requests ended tokenless
-        self._intakes: deque[tuple[float, float]] = deque()  # (time, intake ms) of recent admissions
+        self._firsts: deque[float] = deque()   # times of recent first tokens (the rate's count)
+        # ms late against the prediction: first tokens with a priced prediction, and requests that
+        # ended tokenless (how long past it they still waited)
+        self._overruns = WindowQuantile()
+        self._intakes = WindowQuantile()       # intake ms of recent admissions
 
     def admitted(self, intake_ms: float = 0.0) -> None:
         self.waiting += 1
         now = time.monotonic()
         self._busy.waiting_changed(now, self.waiting)
-        self._intakes.append((now, intake_ms))
-        self._in_window(self._intakes)
+        self._intakes.add(now, intake_ms)
+        self._intakes.expire(now - self.window_s)
 
     def left(self, got_first_token: bool, overrun_ms: float | None = 0.0) -> None:
         """Exactly once per admitted request: at its first token (with its TTFT minus the
@@ -87,29 +91,21 @@ class FirstTokenPressure:
         now = time.monotonic()
         self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
-            self._firsts.append((now, overrun_ms))
+            self._firsts.append(now)
+            if overrun_ms is not None:
+                self._overruns.add(now, overrun_ms)
             rate = self.rate_per_s()
             if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
                 self._peak = (now, rate)
         elif overrun_ms is not None and overrun_ms > 0:
-            self._unserved.append((now, overrun_ms))
+            self._overruns.add(now, overrun_ms)
 
-    def _in_window(self, samples: deque[tuple[float, float]]) -> deque[tuple[float, float]]:
-        """``samples`` (oldest first) with those older than the window dropped."""
-        since = time.monotonic() - self.window_s
-        while samples and samples[0][0] < since:
-            samples.popleft()
-        return samples
-
-    def _quantile(self, values: list[float], q: float) -> float | None:
-        """The ``q`` quantile of ``values``; None when fewer than ``min_samples``."""
-        if len(values) < self.min_samples:
-            return None
-        values.sort()
-        return values[min(len(values) - 1, int(q * len(values)))]
-
-    def _recent(self) -> deque[tuple[float, float]]:
-        return self._in_window(self._firsts)
+    def _recent(self) -> deque[float]:
+        """The window's first-token times (older ones dropped)."""
+        since, firsts = time.monotonic() - self.window_s, self._firsts
+        while firsts and firsts[0] < since:
+            firsts.popleft()
+        return firsts
 
     def rate_per_s(self) -> float | None:
         """The window's first tokens per second of the time something waited in it (the pipeline's
@@ -129,13 +125,13 @@ class FirstTokenPressure:
     def overrun_ms(self) -> float:
         """How much later than estimated recent first tokens came, or unserved requests were still
         waiting (the quantile; 0 below ``min_samples``); >= 0."""
-        values = ([v for _, v in self._in_window(self._firsts) if v is not None]
-                  + [v for _, v in self._in_window(self._unserved)])
-        return max(0.0, self._quantile(values, self.overrun_quantile) or 0.0)
+        self._overruns.expire(time.monotonic() - self.window_s)
+        return max(0.0, self._overruns.quantile(self.overrun_quantile, self.min_samples) or 0.0)
 
     def intake_ms(self) -> float:
         """Median time from arrival to admission over the window; 0 when too few."""
-        return self._quantile([v for _, v in self._in_window(self._intakes)], 0.5) or 0.0
+        self._intakes.expire(time.monotonic() - self.window_s)
+        return self._intakes.quantile(0.5, self.min_samples) or 0.0
 
     def shed_estimate_ms(self) -> float:
         """What a request arriving now would wait for its first token, before its own stages

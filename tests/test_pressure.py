@@ -205,3 +205,24 @@ async def test_a_blocked_loop_shows_as_lag_and_the_lag_ages_out():
 
 def test_no_samples_reads_zero():
     assert LoopLagMonitor().recent_s() == 0.0
+
+
+def test_the_window_quantile_is_the_sorted_windows_at_every_read():
+    """The incremental structure the tracker reads (``gateway/window_quantile.py``) against sorting the
+    window's values at each read, over random samples, duplicates and expiries included."""
+    import random
+
+    from gateway.window_quantile import WindowQuantile
+
+    rng, w, kept = random.Random(7), WindowQuantile(), []
+    for t in range(2000):
+        value = float(rng.choice([rng.randint(-50, 50), 3]))
+        w.add(float(t), value)
+        kept.append((float(t), value))
+        since = t - rng.randint(5, 60)
+        w.expire(since)
+        kept = [(s, v) for s, v in kept if s >= since]
+        values = sorted(v for _, v in kept)
+        for q in (0.0, 0.5, 0.95, 1.0):
+            assert w.quantile(q, 4) == (values[min(len(values) - 1, int(q * len(values)))] if len(values) >= 4 else None)
+    assert len(w) == len(kept)
