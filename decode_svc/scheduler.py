@@ -195,6 +195,11 @@ class DecodeScheduler:
         return sum(s.prompt_len - s.prefilled for s in self._prefilling)
 
     @property
+    def queued_prompt_tokens(self) -> list[int]:
+        """Each prefilling prompt's tokens still to run (what admission reads to price ``prefill_order``)."""
+        return [s.prompt_len - s.prefilled for s in self._prefilling]
+
+    @property
     def busy(self) -> bool:
         return bool(self._running or self._prefilling)
 

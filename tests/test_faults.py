@@ -235,9 +235,11 @@ def decode_stats(address: str) -> pb.WorkerStats:
 async def until_prefilling(address: str, timeout_s: float = 10.0) -> None:
     """Until the decode worker is in the middle of a colocated prefill."""
     end = time.monotonic() + timeout_s
-    while (await asyncio.to_thread(decode_stats, address)).queued_prefill_tokens == 0:
+    while (stats := await asyncio.to_thread(decode_stats, address)).queued_prefill_tokens == 0:
         assert time.monotonic() < end, "no colocated prefill started"
         await asyncio.sleep(0.02)
+    # each queued prompt's share, as admission prices the worker's least-remaining-first order
+    assert stats.queued_prompt_tokens and sum(stats.queued_prompt_tokens) == stats.queued_prefill_tokens
 
 
 class RecordReservations:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from gateway.admission import GatewayAdmission, worker_report
+from gateway.admission import CPU_PRIOR, GatewayAdmission, worker_report
 from gateway.settings import GatewaySettings
 from gateway.worker_registry import WorkerHandle, WorkerRegistry
 from proto.epd.v1 import epd_pb2 as pb
@@ -267,3 +267,22 @@ def test_requests_cut_at_their_deadline_teach_the_margin_that_should_have_refuse
         ticket._admitted_at -= 3.0                  # still no first token 3 s after admission: cut
         ticket.left(got_first_token=False)
     assert gw.pressure.waiting == 0 and gw.pressure.overrun_ms() > 2000.0
+
+
+def test_a_decode_worker_that_serves_the_least_remaining_prompt_first_is_priced_that_way() -> None:
+    """A short chat prompt is not priced behind a colocated document the worker will pass it by
+    (``decode_svc/prefill_order.py``); a prompt as long as the queued ones waits for all of them, and
+    a worker that reports no per-prompt split (the simulator's FIFO ones) counts every queued token."""
+    cm = CostModel(prior=CPU_PRIOR)
+    srpt = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=827, queued_prompts=(400, 427))
+    fifo = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=827)
+    assert decode_load(srpt, RequestShape(26, 32), cm).queue_wait_ms == 0.0
+    assert decode_load(srpt, RequestShape(400, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(400, 1))
+    assert decode_load(srpt, RequestShape(427, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(827, 2))
+    assert decode_load(fifo, RequestShape(26, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(827, 2))
+    stats = pb.WorkerStats(role="decode", queue_depth=2, queued_prefill_tokens=827, queued_prompt_tokens=[400, 427])
+    assert worker_report("decode", "d", stats, 0).queued_prompts == (400, 427)
+    snap = StatsSnapshot((srpt,))
+    assert StatsSnapshot.from_dict(json.loads(json.dumps(snap.to_dict()))) == snap
+    with pytest.raises(ValueError):
+        WorkerReport(Role.DECODE, "d", queued_prompts=(-1,))

@@ -7,7 +7,9 @@ workers, field for field as a real worker would report them. Both hand it to
 decision. Every estimate made here uses only these fields and the cost model:
 
 - a queue of prompts (prefill, or a decode worker's colocated prompts): ``queued_prefill_ms``
-  of its queued tokens, the fixed cost once per queued request;
+  of its queued tokens, the fixed cost once per queued request; a decode worker that reports
+  each prompt's tokens (``queued_prompts``) serves the least remaining first, so only the
+  prompts no longer than the new one count (the simulator's workers are FIFO and report none);
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -58,6 +60,8 @@ class WorkerReport:
     running_seqs: int = 0  # decode: sequences in the running batch
     queue_depth: int = 0  # work accepted, not running: prompts (prefill), reservations not yet in the batch (decode)
     queued_prefill_tokens: int = 0  # prompt tokens still to prefill there
+    queued_prompts: tuple[int, ...] = ()  # decode: each colocated prompt's share of them, when it serves
+    # the least remaining first (empty: a FIFO queue, every queued token is ahead of a new prompt)
     free_blocks: int | None = None  # decode: free KV blocks (None: not reported, no block check)
     total_blocks: int = 0
     block_size: int = 16
@@ -70,8 +74,9 @@ class WorkerReport:
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
+        self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
         if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight,
-               self.cached_prefix_tokens, self.cached_images) < 0:
+               self.cached_prefix_tokens, self.cached_images, *self.queued_prompts) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 in the report of {self.address}")
@@ -126,7 +131,11 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     claimed = queued if queued > w.in_flight else w.in_flight
     running = w.running_seqs if w.running_seqs > w.in_flight - w.queue_depth else w.in_flight - w.queue_depth
     free = slots - claimed
-    local_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, w.queue_depth) if w.queued_prefill_tokens else 0.0
+    if w.queued_prompts:   # least remaining first: only the prompts no longer than this one are ahead
+        ahead = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
+        local_ms = cm.queued_prefill_ms(sum(ahead), len(ahead)) if ahead else 0.0
+    else:
+        local_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, w.queue_depth) if w.queued_prefill_tokens else 0.0
     slot_wait = 0.0
     if free < shape.choices:  # the (claimed - slots + choices)-th retirement frees the last slot it needs
         steps = (shape.choices - free) * shape.max_tokens / (running + 1)
