@@ -8,8 +8,8 @@ step. Least remaining work first is the order that minimises the mean wait for a
 
 It would let a stream of short prompts pass a long one for as long as the stream lasts, so a
 prompt whose first-token deadline is at risk goes first: one that would miss it if every other
-queued prompt went before it (its deadline is nearer than ``AT_RISK_FACTOR`` x all the queued
-prompts' remaining prefill time). At-risk prompts go earliest deadline first, the rest least
+queued prompt went before it (its deadline is nearer than ``PREFILL_AT_RISK_FACTOR`` x all the
+queued prompts' remaining prefill time). At-risk prompts go earliest deadline first, the rest least
 remaining tokens first; equal keys keep arrival order (both sorts are stable). Before the
 first prompt token has been priced (``token_ms`` None) the order is arrival order.
 """
@@ -18,18 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from .sequence import Sequence
+from runtime.policy.loads import PREFILL_AT_RISK_FACTOR
 
-# Prefill shares each step with the running decodes: under the step budget a step's prompt
-# tokens take about as long as its decodes, so draining the queue takes about twice its compute.
-AT_RISK_FACTOR = 2.0
+from .sequence import Sequence
 
 
 def prefill_order(prefilling: Seq[Sequence], token_ms: float | None, now_s: float) -> list[Sequence]:
     """``prefilling`` (in arrival order) in the order the next step should take their chunks."""
     if not token_ms or len(prefilling) < 2:
         return list(prefilling)
-    drain_s = AT_RISK_FACTOR * token_ms / 1000.0 * sum(s.prompt_len - s.prefilled for s in prefilling)
+    drain_s = PREFILL_AT_RISK_FACTOR * token_ms / 1000.0 * sum(s.prompt_len - s.prefilled for s in prefilling)
     at_risk = [s for s in prefilling if s.first_token_deadline_s - now_s < drain_s]
     rest = [s for s in prefilling if s.first_token_deadline_s - now_s >= drain_s]
     at_risk.sort(key=lambda s: s.first_token_deadline_s)

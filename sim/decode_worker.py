@@ -5,6 +5,7 @@ Lifecycle of a sequence on this worker, as queues:
     remote:  prealloc (waiting for a slot) -> reserved (KV in flight) -> pending
              (KV landed, waits for the next step boundary) -> running -> finished
     local:   local_q -> prefilling (holds a slot; stalls the batch) -> running -> finished
+             (the shortest queued prompt next, a deadline at risk first: ``_next_local``)
 
 Invariants:
 - membership changes only at step boundaries; between two boundaries all running
@@ -42,6 +43,7 @@ from bisect import insort
 from collections import deque
 from typing import Any
 
+from runtime.policy.loads import PREFILL_AT_RISK_FACTOR
 from runtime.policy.worker_stats import Role, WorkerReport
 from sim.events import EventQueue
 
@@ -209,13 +211,15 @@ class DecodeWorker:
         if self.pending:
             self._join_pending(now)
         queue = self.local_q
-        if queue and (not self.just_prefilled or not self.running) and self._fits(queue[0]):
-            self._start_local(queue.popleft(), now)
+        nxt = self._next_local(now) if queue else None
+        if nxt is not None and (not self.just_prefilled or not self.running) and self._fits(nxt):
+            queue.remove(nxt)   # identity: requests compare as objects
+            self._start_local(nxt, now)
             return
         if self.running:
             self.mode = STEPPING
             self.d = d = self.base + self.slope * len(self.running)
-            steps_to_next = 1 if self.per_step or (queue and self._fits(queue[0])) else self.running[0][0] - self.steps
+            steps_to_next = 1 if self.per_step or (nxt is not None and self._fits(nxt)) else self.running[0][0] - self.steps
             self.t0 = now
             self._schedule(now + steps_to_next * d)
         else:
@@ -223,6 +227,20 @@ class DecodeWorker:
             self.version += 1
             self.next_t = math.inf
             self.busy_ms += now - self._busy_since
+
+    def _next_local(self, now: float) -> Any:
+        """The queued colocated prompt to prefill next, in the real worker's order
+        (``decode_svc/prefill_order.py``): the shortest, unless some would miss their deadline
+        if every queued prompt went first (then the earliest deadline of those). One prompt runs
+        at a time here, so the order applies when the next one starts."""
+        queue = self.local_q
+        if len(queue) == 1:
+            return queue[0]
+        drain = PREFILL_AT_RISK_FACTOR * sum(r.prefill_ms for r in queue)
+        at_risk = [r for r in queue if r.deadline - now < drain]
+        if at_risk:
+            return min(at_risk, key=_deadline)
+        return min(queue, key=_tokens)
 
     def _join_pending(self, now: float) -> None:
         for req in self.pending:
@@ -358,3 +376,11 @@ class DecodeWorker:
         if self.kv_cap is not None:
             r.free_blocks = self.kv_cap - self.kv_used
         return r
+
+
+def _deadline(req: Any) -> float:
+    return req.deadline
+
+
+def _tokens(req: Any) -> int:
+    return req.tokens

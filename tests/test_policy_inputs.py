@@ -272,7 +272,7 @@ def test_requests_cut_at_their_deadline_teach_the_margin_that_should_have_refuse
 def test_a_decode_worker_that_serves_the_least_remaining_prompt_first_is_priced_that_way() -> None:
     """A short chat prompt is not priced behind a colocated document the worker will pass it by
     (``decode_svc/prefill_order.py``); a prompt as long as the queued ones waits for all of them, and
-    a worker that reports no per-prompt split (the simulator's FIFO ones) counts every queued token."""
+    a worker that reports no per-prompt split (the simulator's) counts every queued token."""
     cm = CostModel(prior=CPU_PRIOR)
     srpt = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=827, queued_prompts=(400, 427))
     fifo = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=827)

@@ -103,6 +103,18 @@ def test_chunked_local_prefill_softens_the_stall() -> None:
     assert r.metrics.good == 3
 
 
+def test_a_colocated_chat_goes_before_a_queued_document_unless_a_deadline_is_at_risk() -> None:
+    """The real decode worker's order (``decode_svc/prefill_order.py``): the shortest queued prompt
+    next, but the earliest deadline first among prompts that could miss theirs if served last."""
+    trace = [(0.0, 6000, 10, 0, 0), (10.0, 6000, 10, 0, 0), (20.0, 100, 10, 0, 0)]
+    # the first document (230 ms), one decode step (45), the chat (23.5), a step, the second document
+    loose = run("colocated", trace, prefill_workers=0, ttft_slo_ms=5000.0)
+    assert loose.metrics.ttft_ms == pytest.approx([230.0, 230 + 45 + 23.5 - 20, 230 + 45 + 23.5 + 45 + 230 - 10])
+    # at 600 ms both queued prompts are at risk (twice their 253.5 ms of prefill is past either deadline)
+    tight = run("colocated", trace, prefill_workers=0, ttft_slo_ms=600.0)
+    assert tight.metrics.ttft_ms == pytest.approx([230.0, 230 + 45 + 230 - 10, 230 + 45 + 230 + 45 + 23.5 - 20])
+
+
 def test_slot_limit_queues_reservations() -> None:
     service = ServiceTimes(decode_slots=2)
     r = run("disaggregated", [(0.0, 100, 200, 0, 0)] * 3, service=service, prefill_workers=3)

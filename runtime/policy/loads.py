@@ -101,6 +101,12 @@ class StageLoads:
 # whose admitted requests met their deadline with room to spare.
 MIN_RATE_SPAN_S = 0.25
 
+# A queued colocated prompt's first-token deadline is at risk when it is nearer than this many times
+# the queued prompts' remaining prefill time (the decode worker's ``decode_svc/prefill_order.py`` and
+# the simulator's decode workers alike): beside running decodes a step's prompt tokens take about
+# as long as its decodes (the step budget), so draining the queue takes about twice its compute.
+PREFILL_AT_RISK_FACTOR = 2.0
+
 
 @dataclass(slots=True)
 class Pressure:

@@ -9,7 +9,8 @@ decision. Every estimate made here uses only these fields and the cost model:
 - a queue of prompts (prefill, or a decode worker's colocated prompts): ``queued_prefill_ms``
   of its queued tokens, the fixed cost once per queued request; a decode worker that reports
   each prompt's tokens (``queued_prompts``) serves the least remaining first, so only the
-  prompts no longer than the new one count (the simulator's workers are FIFO and report none);
+  prompts no longer than the new one count (the simulator's workers run one prompt at a time,
+  not preempted by a shorter one, and report none: every queued token counts);
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -61,7 +62,7 @@ class WorkerReport:
     queue_depth: int = 0  # work accepted, not running: prompts (prefill), reservations not yet in the batch (decode)
     queued_prefill_tokens: int = 0  # prompt tokens still to prefill there
     queued_prompts: tuple[int, ...] = ()  # decode: each colocated prompt's share of them, when it serves
-    # the least remaining first (empty: a FIFO queue, every queued token is ahead of a new prompt)
+    # the least remaining first (empty: every queued token is ahead of a new prompt)
     free_blocks: int | None = None  # decode: free KV blocks (None: not reported, no block check)
     total_blocks: int = 0
     block_size: int = 16
