@@ -191,13 +191,13 @@ class DecodeScheduler:
         return len(self._prefilling)
 
     @property
-    def queued_prefill_tokens(self) -> int:
-        return sum(s.prompt_len - s.prefilled for s in self._prefilling)
-
-    @property
     def queued_prompt_tokens(self) -> list[int]:
         """Each prefilling prompt's tokens still to run (what admission reads to price ``prefill_order``)."""
         return [s.prompt_len - s.prefilled for s in self._prefilling]
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(self.queued_prompt_tokens)
 
     @property
     def busy(self) -> bool:
