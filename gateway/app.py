@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from runtime.worker.gc_heap import freeze_startup_heap, install_pause_metric
 from runtime.worker.tracing import instrument_app
 
 from .auth import install_api_keys
@@ -143,6 +144,7 @@ def create_app(
     prompt_builder: PromptBuilder | None = None,
     registry: CollectorRegistry | None = None,
     media_network: MediaNetwork | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """The gateway app.
 
@@ -152,6 +154,8 @@ def create_app(
     ``registry`` holds the HTTP metrics (default: a new one per app); ``/metrics`` renders it
     followed by prometheus_client's process-wide ``REGISTRY``, where module-level metrics such as
     the pipeline's (``gateway.pipeline_metrics``) live.
+    ``freeze_heap`` (the ``epd gateway`` process, not tests that build many apps in one process):
+    the heap as it stands when start-up ends is frozen out of later collections (``gc_heap``).
     """
     prompts = prompt_builder or PromptBuilder.from_pretrained(settings.model)
     metrics = HttpMetrics(registry)
@@ -173,6 +177,9 @@ def create_app(
         loop_lag.start()
         sampler = asyncio.create_task(history.run(), name="dashboard-counter-history")
         log.info("gateway serving %s from %s", settings.served_model_name, settings.model)
+        install_pause_metric()
+        if freeze_heap:
+            freeze_startup_heap()
         try:
             yield
         finally:

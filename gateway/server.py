@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(settings.log_format)
     setup_tracing("epd-gateway", settings.otlp_traces_endpoint)   # before the app and its channels
-    app = create_app(settings, Orchestrator(settings))
+    app = create_app(settings, Orchestrator(settings), freeze_heap=True)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
                     timeout_graceful_shutdown=int(settings.drain_timeout_s))

@@ -111,6 +111,17 @@ def env(tmp_path_factory) -> Env:
         cluster.stop()
 
 
+def test_worker_heap_frozen_at_start(env):
+    """A started worker froze its start-up heap (model, torch, gRPC) out of later full collections,
+    and reports the collector's pauses on its metrics port (``runtime/worker/gc_heap.py``)."""
+    import httpx
+
+    text = httpx.get(env.metrics_url, timeout=5, trust_env=False).text
+    frozen = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("epd:gc_frozen_objects ")]
+    assert frozen and frozen[0] > 100_000
+    assert "# TYPE epd:gc_pause_seconds histogram" in text
+
+
 def chunk_outcomes(env: Env) -> dict[str, float]:
     """The worker's ``epd:worker_kv_chunks_total`` counter by outcome, scraped from its metrics port."""
     import httpx

@@ -85,6 +85,16 @@ def test_serve_answers_image_chat(served):
     assert status["encoder"][0]["computes"] == 2  # two distinct images, each encoded once
 
 
+def test_gateway_heap_frozen_at_start(served):
+    """The gateway froze its start-up heap (tokenizer, processor, app): a full collection skips it
+    (``runtime/worker/gc_heap.py``), and its pauses are on ``/metrics``."""
+    _, base, _, _ = served
+    text = httpx.get(f"{base}/metrics").text
+    frozen = [float(l.split()[-1]) for l in text.splitlines() if l.startswith("epd:gc_frozen_objects ")]
+    assert frozen and frozen[0] > 100_000
+    assert "# TYPE epd:gc_pause_seconds histogram" in text
+
+
 def test_ctrl_c_leaves_no_process(served):
     proc, _, children, log = served
     assert len(children) >= 4  # encoder, prefill, decode, gateway

@@ -4,7 +4,7 @@ flags -> refuse a listener beyond loopback without a token, or a checkpoint the 
 does not support (one line, exit status 2, nothing loaded) -> load the model -> the
 role's ``build`` (its parts, their background loops started) -> the gRPC server
 (health, reflection, the role's service; ``grpc_server.py``) and the metrics port ->
-serve until SIGTERM/SIGINT -> drain -> stop -> the servicer's ``close``.
+the start-up heap frozen (``gc_heap.py``) -> serve until SIGTERM/SIGINT -> drain -> stop -> the servicer's ``close``.
 
 A role's ``server.py`` states only what is its own: one ``WorkerRole``.
 """
@@ -95,6 +95,7 @@ def run_worker(role: WorkerRole, argv: list[str]) -> int:
 
 async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
     from runtime.model.model_adapter import VLMAdapter
+    from runtime.worker.gc_heap import freeze_startup_heap, install_pause_metric
     from runtime.worker.worker_metrics import serve_worker_metrics
 
     adapter = await torch_thread.run(VLMAdapter.load, settings.model, device=settings.device, dtype=settings.dtype,
@@ -105,6 +106,8 @@ async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
         role.add_servicer(servicer, server.server)
         servicer.state.address = await server.start()
         serve_worker_metrics(settings.metrics_port, lambda: servicer)
+        install_pause_metric()
+        freeze_startup_heap()   # the model, torch and gRPC stay out of every later full collection
         await run_until_signal(server, lambda timeout_s: servicer.state.drain(servicer.busy, timeout_s))
     finally:
         await servicer.close()
