@@ -68,6 +68,7 @@ def summarize(
     return {
         "requests": len(records),
         "ok": len(ok),
+        "ok_without_text": sum(r.ttft_s is None for r in ok),   # no TTFT: out of the TTFT and ITL percentiles
         "failed": len(records) - len(ok),
         "failed_by_status": dict(sorted(failed.items())),
         "duration_s": duration_s,

@@ -144,6 +144,9 @@ def table_rows(vllm: Mapping[str, Any], epd: Mapping[str, Any]) -> list[list[str
     e_cpu = (epd.get("server_cpu_ms_per_request") or {}).get("total")
     rows.append(["server CPU ms / request", fmt(v_cpu), fmt(e_cpu), fmt(ratio(e_cpu, v_cpu))])
     rows.append(["ok / requests", f"{vllm['ok']}/{vllm['requests']}", f"{epd['ok']}/{epd['requests']}", ""])
+    # tokens but no text (a server that drops undecodable bytes): such a request has no TTFT, so the
+    # TTFT percentiles leave it out while a server that sends the bytes as U+FFFD counts its TTFT
+    rows.append(["ok with no text", str(vllm.get("ok_without_text", 0)), str(epd.get("ok_without_text", 0)), ""])
     return rows
 
 

@@ -351,6 +351,16 @@ def test_peer_targets_take_the_worse_round() -> None:
     assert all(t["met"] for t in judge_targets(load, rounds))
 
 
+def test_peer_table_shows_answers_without_text() -> None:
+    from bench.peer_compare import table_rows
+
+    vllm = {"req_per_s": 2.0, "ok": 48, "requests": 48, "ok_without_text": 1}
+    epd = {"req_per_s": 1.8, "ok": 48, "requests": 48, "ok_without_text": 0}
+    by_label = {row[0]: row for row in table_rows(vllm, epd)}
+    assert by_label["ok with no text"][1:3] == ["1", "0"]
+    assert by_label["requests/s"][3] == "0.90"
+
+
 def test_peer_checkpoint_renames_only_the_vision_tower(tmp_path: Path) -> None:
     import torch
     from safetensors import safe_open

@@ -119,6 +119,15 @@ def test_summarize_counts_rates_percentiles_and_goodput() -> None:
     assert summarize(records, 2.0)["goodput_req_per_s"] == report["req_per_s"]
 
 
+def test_summarize_counts_answers_without_text_apart() -> None:
+    """A request that streamed tokens but no text (a server that drops undecodable bytes) has no TTFT:
+    it is left out of the TTFT percentiles, and the report says how many were."""
+    records = [_record(0, ttft=0.010), _record(1, ttft=None, itl=[]), _record(2, ok=False, status=429)]
+    report = summarize(records, duration_s=1.0)
+    assert report["ok_without_text"] == 1
+    assert report["ttft_ms_p99"] == pytest.approx(10.0)
+
+
 def test_summarize_with_no_successes_reports_nulls() -> None:
     report = summarize([_record(0, ok=False, status=503)], duration_s=1.0)
     assert report["ok"] == 0 and report["ttft_ms_p50"] is None and report["mean_ttft_ms"] is None
