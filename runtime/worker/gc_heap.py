@@ -18,7 +18,8 @@ them). vLLM freezes its servers' start-up heap the same way.
 ``epd:gc_pause_seconds{generation}`` (process-wide ``REGISTRY``: the gateway's ``/metrics``
 and a worker's metrics port) times every collection from ``gc.callbacks``, so a pause that
 comes back is visible where latency is watched; ``epd:gc_frozen_objects`` is the frozen
-heap's size, read at scrape time (0: nothing froze it). ``install_pause_metric`` is idempotent.
+heap's size as the freeze left it (0: nothing froze it; ``gc.get_freeze_count()`` walks the
+whole frozen list, several ms, so a scrape does not ask it). ``install_pause_metric`` is idempotent.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 _pause: Histogram | None = None
+_frozen: list[int] = [0]        # objects the last freeze left frozen
 _started: list[float] = [0.0]   # gc.callbacks run on the collecting thread, one collection at a time
 
 
@@ -39,7 +41,8 @@ def freeze_startup_heap() -> int:
     """Collect once, then freeze what survived; returns the objects now frozen (``gc.get_freeze_count()``)."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    _frozen[0] = gc.get_freeze_count()
+    return _frozen[0]
 
 
 def install_pause_metric() -> Histogram:
@@ -56,7 +59,7 @@ def install_pause_metric() -> Histogram:
 class _FrozenObjects:
     def collect(self):
         g = GaugeMetricFamily("epd:gc_frozen_objects", "Objects frozen out of garbage collection at start-up.")
-        g.add_metric([], float(gc.get_freeze_count()))
+        g.add_metric([], float(_frozen[0]))
         yield g
 
 
