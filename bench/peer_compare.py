@@ -5,8 +5,11 @@ from the venv of ``bench/vllm_setup.sh``, on a converted copy of the checkpoint;
 ``bench.harness.vllm_peer``) and warmed up; then every load runs ``--rounds`` times on each,
 one server under load at a time, alternating which goes first (round ``r``'s seed is the same
 on both, so both see the same requests and images; every round's images are new to epd's
-encoder cache). While one server is measured, the other's CPU seconds are read too
-(``idle_peer_cpu_s``): an idle server that spins would tax the measured one.
+encoder cache). Each round starts on a quiet host: it waits until both servers together use
+under 5% of a core (``quiet_wait_s``; vLLM's CPU engine spins a core for about a second after
+its load ends, which took half the host from epd's demo rounds before this wait). While one
+server is measured, the other's CPU seconds are read too (``idle_peer_cpu_s``): an idle server
+that spins would tax the measured one.
 
 Reported per load, pooled over the rounds and per round, with ``vllm bench serve``'s
 definitions (``bench.metrics``): requests/s, output tokens/s, TTFT, TPOT, ITL and E2E
@@ -27,7 +30,7 @@ from typing import Any
 from bench.harness.report import fmt, markdown_table, ratio
 from bench.harness.runs import Run, cpu_per_request, error_samples, pooled, run_load
 from bench.harness.servers import epd_serve, free_port, wait_http
-from bench.harness.usage import cpu_seconds
+from bench.harness.usage import cpu_seconds, wait_quiet
 from bench.harness.vllm_peer import vllm_serve
 from launcher.processes import stop_group
 
@@ -105,6 +108,7 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
     check = load.model == "demo"
     runs: dict[str, list[Run]] = {n: [] for n in SERVERS}
     idle_cpu: dict[str, list[float]] = {n: [] for n in SERVERS}
+    quiet_wait: dict[str, list[float]] = {n: [] for n in SERVERS}
     common = dict(requests=load.requests, concurrency=load.concurrency, image_pool=load.requests,
                   max_tokens=load.max_tokens, check_answers=check, timeout_s=args.timeout,
                   long_fraction=load.long_fraction, long_prompt_words=load.long_prompt_words,
@@ -113,6 +117,7 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
         order = list(SERVERS) if rnd % 2 == 0 else list(reversed(SERVERS))
         for name in order:
             other = next(n for n in SERVERS if n != name)
+            quiet_wait[name].append(round(wait_quiet(list(procs.values())), 2))
             before = sum(cpu_seconds(procs[other]).values())
             run = run_load(bases[name], load.model, procs[name], seed=args.seed + rnd, **common)
             idle_cpu[other].append(sum(cpu_seconds(procs[other]).values()) - before)
@@ -131,6 +136,7 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
     return {
         "load": asdict(load), "model": load.model, "reports": reports, "rounds": per_round,
         "idle_peer_cpu_s": idle_cpu,
+        "quiet_wait_s": quiet_wait,
         "table": table_rows(reports["vllm"], reports["epd"]),
         "targets": judge_targets(load, per_round),
         "errors": {n: error_samples(r for run in rs for r in run.records) for n, rs in runs.items()},

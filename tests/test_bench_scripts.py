@@ -423,3 +423,25 @@ def test_sliding_window_handoff_frames_trimmed_chunks_that_decode_accepts() -> N
         assert receiver.land(m).outcome == ChunkOutcome.ACCEPTED
     assert res.attempt.state == TransferState.SUCCESS
     table.release(res.reservation_id)
+
+
+def test_rounds_wait_for_a_quiet_host() -> None:
+    """A server still spinning after its load (vLLM's CPU engine, about a second) delays the next round."""
+    import sys as _sys
+    import time as _time
+
+    from bench.harness.usage import wait_quiet
+    from launcher.processes import Process, ProcessSpec, stop_group
+
+    spin = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass\ntime.sleep(60)"
+    busy = Process(ProcessSpec("busy", [_sys.executable, "-c", spin.format(s=0.8)])).start()
+    forever = Process(ProcessSpec("forever", [_sys.executable, "-c", spin.format(s=60)]))
+    try:
+        _time.sleep(0.1)
+        waited = wait_quiet([busy])
+        assert 0.4 <= waited < 5.0
+        assert wait_quiet([busy]) < 0.5   # quiet now: one window
+        forever.start()
+        assert wait_quiet([busy, forever], timeout_s=0.6) >= 0.6   # never quiet: bounded by the timeout
+    finally:
+        stop_group([busy, forever])

@@ -5,6 +5,9 @@ Processes that exited are not counted, so take differences over a stretch the pr
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 from launcher.processes import Process
 
 ROLES = ("encoder", "prefill", "decode", "gateway")
@@ -35,6 +38,22 @@ def cpu_seconds(process: Process) -> dict[str, float]:
         role = next((c for c in cmd if c in ROLES), process.name)
         out[role] = out.get(role, 0.0) + t.user + t.system
     return out
+
+
+def wait_quiet(processes: Sequence[Process], *, window_s: float = 0.2, max_cores: float = 0.05,
+               timeout_s: float = 15.0) -> float:
+    """Wait until ``processes`` together use under ``max_cores`` of a core over one ``window_s``; the
+    seconds waited (``timeout_s`` at most). A server can keep working after its load ends (vLLM's
+    CPU engine spins a core for about a second), and a round started then shares the host with it."""
+    started = time.monotonic()
+    before = sum(sum(cpu_seconds(p).values()) for p in processes)
+    while True:
+        time.sleep(window_s)
+        now = sum(sum(cpu_seconds(p).values()) for p in processes)
+        waited = time.monotonic() - started
+        if now - before < max_cores * window_s or waited >= timeout_s:
+            return waited
+        before = now
 
 
 def listener_cpu_seconds(address: str) -> float | None:
