@@ -97,7 +97,7 @@ def test_the_board_is_well_formed_and_covers_the_dashboard():
                  "epd:time_to_first_token_seconds_bucket", "epd:inter_token_latency_seconds_bucket",
                  "epd:kv_transfer_bytes_total", "epd:gateway_image_cache_checks_total",
                  "epd:cost_model_fit_ms", "epd:cost_model_measured_ms", "epd:worker_cached_blocks",
-                 "epd:prefix_cache_hits_total", "epd:prefix_cache_queries_total"):
+                 "epd:prefix_cache_hits_total", "epd:prefix_cache_queries_total", "epd:gc_pause_seconds_bucket"):
         assert name in queried, name
 
 
