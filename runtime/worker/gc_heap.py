@@ -8,12 +8,13 @@ request in flight at that stage waited, for its first token or its next one. Aft
 start-up the process allocates little that lives long, so those objects never become
 garbage; scanning them is pure pause.
 
-``freeze_startup_heap`` runs once, when the process is ready to serve (a worker after its
-gRPC server started, the gateway at the end of its lifespan's start-up): one full
-collection, then ``gc.freeze()`` moves every survivor into the permanent generation, which
-later collections skip. What requests allocate is collected as before; only objects alive
-at start-up stay out of the collector's reach (dropping their last reference still frees
-them). vLLM freezes its servers' start-up heap the same way.
+``freeze_startup_heap`` runs once, when the process is ready to serve but before it takes a
+request (a worker just before its gRPC server starts and reports itself serving, the gateway at
+the end of its lifespan's start-up, before uvicorn listens), so its own full collection stalls
+nobody: one full collection, then ``gc.freeze()`` moves every survivor into the permanent
+generation, which later collections skip. What requests allocate is collected as before; only
+objects alive at start-up stay out of the collector's reach (dropping their last reference still
+frees them). vLLM freezes its servers' start-up heap the same way.
 
 ``epd:gc_pause_seconds{generation}`` (process-wide ``REGISTRY``: the gateway's ``/metrics``
 and a worker's metrics port) times every collection from ``gc.callbacks``, so a pause that

@@ -2,9 +2,9 @@
 
 flags -> refuse a listener beyond loopback without a token, or a checkpoint the split
 does not support (one line, exit status 2, nothing loaded) -> load the model -> the
-role's ``build`` (its parts, their background loops started) -> the gRPC server
-(health, reflection, the role's service; ``grpc_server.py``) and the metrics port ->
-the start-up heap frozen (``gc_heap.py``) -> serve until SIGTERM/SIGINT -> drain -> stop -> the servicer's ``close``.
+role's ``build`` (its parts, their background loops started) -> the start-up heap frozen
+(``gc_heap.py``) -> the gRPC server (health, reflection, the role's service; ``grpc_server.py``)
+and the metrics port -> serve until SIGTERM/SIGINT -> drain -> stop -> the servicer's ``close``.
 
 A role's ``server.py`` states only what is its own: one ``WorkerRole``.
 """
@@ -104,10 +104,12 @@ async def _serve(role: WorkerRole, settings: WorkerSettings) -> None:
     try:
         server = WorkerServer(role.name, settings, role.service)
         role.add_servicer(servicer, server.server)
+        install_pause_metric()
+        # the model, torch and gRPC stay out of every later full collection; before the server
+        # reports itself serving, so the one collection here stalls no request
+        freeze_startup_heap()
         servicer.state.address = await server.start()
         serve_worker_metrics(settings.metrics_port, lambda: servicer)
-        install_pause_metric()
-        freeze_startup_heap()   # the model, torch and gRPC stay out of every later full collection
         await run_until_signal(server, lambda timeout_s: servicer.state.drain(servicer.busy, timeout_s))
     finally:
         await servicer.close()
