@@ -12,7 +12,8 @@ Contract shared by all backends:
   shared with the cache, on the CPU, and must be treated as read-only.
 * ``get_or_compute`` runs ``compute`` at most once per key among concurrent
   callers of this process (and, with Redis, of every process) and stores its
-  result before returning it.
+  result before returning it (in this process; with ``write_behind`` the
+  shared tier's copy follows).
 * An entry that disappears between ``contains`` and ``get`` (expiry,
   eviction, a partial write) is a miss, never an error.
 """
@@ -62,8 +63,13 @@ class EncoderCache(Protocol):
     async def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
 
     async def get_or_compute(
-        self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None
-    ) -> Fetched: ...
+        self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None,
+        missed: bool = False, write_behind: bool = False,
+    ) -> Fetched:
+        """The entry, computed once among concurrent callers when absent. ``missed``: the caller's
+        ``get`` has just missed it (the shared tier is not read again first); ``write_behind``: return
+        before the shared tier's write (then readable from this process until it lands)."""
+        ...
 
     def stats(self) -> dict[str, int | float | bool | str]: ...
 

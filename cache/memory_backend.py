@@ -64,8 +64,10 @@ class MemoryEncoderCache:
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [self._lru.contains(check_key(k)) for k in keys]
 
-    async def get_or_compute(self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None) -> Fetched:
-        """``wait_timeout_s`` is accepted for interface parity; in-process waits end with the compute."""
+    async def get_or_compute(self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None,
+                             missed: bool = False, write_behind: bool = False) -> Fetched:
+        """``wait_timeout_s``, ``missed`` and ``write_behind`` are accepted for interface parity: in-process
+        waits end with the compute, and there is no shared tier to read first or to write behind."""
         check_key(key)
         self._counters.query()
         tensor = self._lru.get(key)

@@ -7,10 +7,15 @@ Lookup order for ``get_or_compute(key, compute)``:
     2. in-process single-flight on key     -> merge (joined this process's flight)
     3. the flight's leader, in a loop:
        a. Redis entry                      -> hit, or merge if we waited
+          (skipped the first time when the caller has just missed it,
+          ``missed``: then (b) locks only while the entry is absent)
        b. SET lock NX PX                   -> ours: compute, store, release+publish
        c. held elsewhere: wait for the ready message or one poll interval,
           then back to (a); after ``wait_timeout_s``, compute anyway
     Redis unreachable at any step          -> compute here, keep it locally
+
+With ``write_behind`` the leader returns once the embedding is computed and in the
+LRU; storing it and releasing the lock (b) finish in a background task.
 
 Invariants:
 
@@ -19,7 +24,12 @@ Invariants:
   (counted in ``bypassed``) and serve from the local LRU, which is also the
   degraded cache, until a probe succeeds. redis-py reconnects by itself.
 * When ``get_or_compute`` returns and Redis is up, the entry is in Redis, so a
-  key handed to another process (the prefill worker) can be fetched there.
+  key handed to another process (the prefill worker) can be fetched there;
+  with ``write_behind``, it is in this process's LRU and in Redis once the write
+  lands. The lock is held until then, so another process waiting on the key
+  reads it rather than encoding it again, and a worker that asks Redis too
+  early asks the encoder that holds it next (``cache/embedding_fetch.py``).
+  ``in_flight`` counts the writes still pending; ``close`` waits for them.
 * While Redis is up and lock holders live, one key is encoded once across all
   processes sharing the namespace; a holder that dies frees the key after at
   most ``lock_ttl_s``; a holder that hangs costs waiters ``wait_timeout_s``.
@@ -92,6 +102,7 @@ class RedisEncoderCache:
             config.max_bytes, config.ttl_s, on_change=self._counters.memory_changed
         )
         self._flights: SingleFlight[tuple[torch.Tensor, _Source]] = SingleFlight()
+        self._writes: set[asyncio.Task[None]] = set()   # write-behind stores, each holding its key's lock
         self._store = RedisEntryStore(client, config.namespace, config.ttl_s)
         self._locks = RedisLocks(client, config.namespace, config.lock_ttl_s)
         self._notifier = ReadyNotifier(
@@ -113,7 +124,7 @@ class RedisEncoderCache:
 
     @property
     def in_flight(self) -> int:
-        return len(self._flights)
+        return len(self._flights) + len(self._writes)
 
     @staticmethod
     def _set_up(up: bool) -> None:
@@ -213,13 +224,16 @@ class RedisEncoderCache:
         self._health.success()
         return [f or next(remote) for f in found]
 
-    async def get_or_compute(self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None) -> Fetched:
+    async def get_or_compute(self, key: str, compute: ComputeFn, *, wait_timeout_s: float | None = None,
+                             missed: bool = False, write_behind: bool = False) -> Fetched:
         """The embedding for ``key``, computed (once, cluster-wide) if no one has it.
 
         ``wait_timeout_s`` bounds the wait on another process's encode (default
         ``config.wait_timeout_s``); concurrent callers in this process share the
         first caller's wait. Exceptions of ``compute`` reach every merged caller
-        of this process; nothing is stored for them.
+        of this process; nothing is stored for them. ``missed``: the caller's
+        ``get`` has just found no entry, so the first Redis read is not repeated.
+        ``write_behind``: return before the entry is written to Redis (above).
         """
         check_key(key)
         wait = self._config.wait_timeout_s if wait_timeout_s is None else wait_timeout_s
@@ -229,7 +243,8 @@ class RedisEncoderCache:
             self._counters.hit(remote=False)
             await self._remote_refresh(key, tensor)
             return Fetched(tensor, True)
-        (tensor, source), leader = await self._flights.run(key, lambda: self._resolve(key, compute, wait))
+        (tensor, source), leader = await self._flights.run(
+            key, lambda: self._resolve(key, compute, wait, missed=missed, write_behind=write_behind))
         if not leader or source is _Source.MERGED:
             self._counters.merge()
         elif source is _Source.REMOTE:
@@ -238,7 +253,8 @@ class RedisEncoderCache:
 
     # --- the flight leader -----------------------------------------------------------
 
-    async def _resolve(self, key: str, compute: ComputeFn, wait_timeout_s: float) -> tuple[torch.Tensor, _Source]:
+    async def _resolve(self, key: str, compute: ComputeFn, wait_timeout_s: float, *, missed: bool,
+                       write_behind: bool) -> tuple[torch.Tensor, _Source]:
         if not self._health.up:
             tensor = await self._remote_get(key)  # a bypass, or the one probe per retry interval
             if tensor is not None:
@@ -252,19 +268,26 @@ class RedisEncoderCache:
         with self._notifier.watch(key) as ready:
             while True:
                 ready.clear()
-                tensor = await self._remote_get(key)
-                if tensor is not None:
-                    self._lru.put(key, tensor, tensor_nbytes(tensor))
-                    return tensor, _Source.MERGED if waited else _Source.REMOTE
-                if not self._health.up:
-                    break
+                if not missed:
+                    tensor = await self._remote_get(key)
+                    if tensor is not None:
+                        self._lru.put(key, tensor, tensor_nbytes(tensor))
+                        return tensor, _Source.MERGED if waited else _Source.REMOTE
+                    if not self._health.up:
+                        break
                 try:
-                    token = await self._locks.acquire(key)
+                    if missed:   # the caller's read missed: lock unless the entry appeared since
+                        missed = False
+                        token, stored = await self._locks.acquire_unless_stored(key, self._store.entry_key(key))
+                        if stored:
+                            continue
+                    else:
+                        token = await self._locks.acquire(key)
                 except (RedisError, OSError) as exc:
                     self._failed(exc, "lock")
                     break
                 if token is not None:
-                    return await self._compute_locked(key, compute, token), _Source.COMPUTED
+                    return await self._compute_locked(key, compute, token, write_behind), _Source.COMPUTED
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     self._counters.wait_timeout()
@@ -284,17 +307,29 @@ class RedisEncoderCache:
         await self._remote_put(key, tensor)
         return tensor
 
-    async def _compute_locked(self, key: str, compute: ComputeFn, token: str) -> torch.Tensor:
+    async def _compute_locked(self, key: str, compute: ComputeFn, token: str, write_behind: bool) -> torch.Tensor:
         heartbeat = asyncio.create_task(self._keep_lock(key, token))
         try:
             self._counters.compute()
             tensor = as_cached_tensor(await compute())
+        except BaseException:
             heartbeat.cancel()
-            self._lru.put(key, tensor, tensor_nbytes(tensor))
+            await self._release(key, token)
+            raise
+        heartbeat.cancel()
+        self._lru.put(key, tensor, tensor_nbytes(tensor))
+        if write_behind:   # its own task: a caller cancelled from here on leaves the write and the lock to it
+            task = asyncio.create_task(self._store_and_release(key, tensor, token), name=f"encoder-cache-write {key}")
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+        else:
+            await self._store_and_release(key, tensor, token)
+        return tensor
+
+    async def _store_and_release(self, key: str, tensor: torch.Tensor, token: str) -> None:
+        try:
             await self._remote_put(key, tensor)
-            return tensor
         finally:
-            heartbeat.cancel()
             await self._release(key, token)
 
     async def _keep_lock(self, key: str, token: str) -> None:
@@ -333,6 +368,8 @@ class RedisEncoderCache:
         }
 
     async def close(self) -> None:
+        if self._writes:   # pending write-behinds: each ends by itself (Redis calls are bounded)
+            await asyncio.gather(*self._writes, return_exceptions=True)
         await self._notifier.close()
         self._lru.clear()
         if self._owns_client:
