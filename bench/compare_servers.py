@@ -79,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16,
                    help="max_tokens (the demo model stops after its 3-word answer)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per server")
+    p.add_argument("--load-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="--peer vllm: before a load's measured rounds, run it once on each server unmeasured "
+                        "(its own images): a server's first loaded round otherwise pays its warm-up")
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--transformers-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for transformers serve; 0 = torch's default (all cores). 1 is its "
