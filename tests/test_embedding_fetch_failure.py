@@ -23,21 +23,16 @@ same killed encoder then costs nothing, the request is answered.
 from __future__ import annotations
 
 import asyncio
-import io
-import random
-import time
-import uuid
 
 import pytest
 from cluster import DEMO_MODEL, Cluster
+from demo_jobs import make_job, run
 from transformers import AutoProcessor
 
-from gateway.chat_backend import BackendFailure, ChatJob, PreparedImage
+from gateway.chat_backend import BackendFailure
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
-from runtime.demo_model.shapes import draw_shape
-from runtime.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,23 +71,6 @@ class KillAfterEncode:
 
     def __getattr__(self, name):
         return getattr(self._stub, name)
-
-
-def make_job(processor, seed: int) -> tuple[ChatJob, str]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]}]
-    ids = processor(images=[sample.image], text=processor.apply_chat_template(msgs, add_generation_prompt=True))["input_ids"][0]
-    now = time.monotonic()
-    job = ChatJob(uuid.uuid4().hex, list(ids), [PreparedImage(buf.getvalue(), sample.image)], 8, SamplingParams(),
-                  now + 30.0, 1000.0, now)
-    return job, sample.answer
-
-
-async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
-    tokens = [t async for ev in orch.generate(job) for t in ev.token_ids]
-    return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
 PLACEMENTS = ["colocated", "disaggregated"]

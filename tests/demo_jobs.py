@@ -1,0 +1,34 @@
+"""A demo-model chat job for the gateway's Orchestrator, and running it to its answer (tests that
+drive real workers through the orchestrator without HTTP)."""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+import uuid
+
+from gateway.chat_backend import ChatJob, PreparedImage
+from gateway.orchestrator import Orchestrator
+from runtime.demo_model.shapes import draw_shape
+from runtime.model.sampling import SamplingParams
+
+
+def make_job(processor, seed: int) -> tuple[ChatJob, str]:
+    """A one-image question about the shape drawn from ``seed`` (8 tokens, greedy, 30 s to the first
+    token), and the answer the demo model gives."""
+    sample = draw_shape(random.Random(seed))
+    buf = io.BytesIO()
+    sample.image.save(buf, "PNG")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]}]
+    ids = processor(images=[sample.image], text=processor.apply_chat_template(msgs, add_generation_prompt=True))["input_ids"][0]
+    now = time.monotonic()
+    job = ChatJob(uuid.uuid4().hex, list(ids), [PreparedImage(buf.getvalue(), sample.image)], 8, SamplingParams(),
+                  now + 30.0, 1000.0, now)
+    return job, sample.answer
+
+
+async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
+    """The job's reply text, generated through ``orch``."""
+    tokens = [t async for ev in orch.generate(job) for t in ev.token_ids]
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
