@@ -3,10 +3,14 @@ drive real workers through the orchestrator without HTTP)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 import time
 import uuid
+
+from cluster import DEMO_MODEL
+from transformers import AutoProcessor
 
 from gateway.chat_backend import ChatJob, PreparedImage
 from gateway.orchestrator import Orchestrator
@@ -14,9 +18,15 @@ from runtime.demo_model.shapes import draw_shape
 from runtime.model.sampling import SamplingParams
 
 
-def make_job(processor, seed: int) -> tuple[ChatJob, str]:
-    """A one-image question about the shape drawn from ``seed`` (8 tokens, greedy, 30 s to the first
-    token), and the answer the demo model gives."""
+@functools.cache
+def demo_processor():
+    """The demo model's processor, loaded once per test process."""
+    return AutoProcessor.from_pretrained(DEMO_MODEL)
+
+
+def make_job(processor, seed: int, deadline_s: float = 30.0) -> tuple[ChatJob, str]:
+    """A one-image question about the shape drawn from ``seed`` (8 tokens, greedy, ``deadline_s`` to the
+    first token), and the answer the demo model gives."""
     sample = draw_shape(random.Random(seed))
     buf = io.BytesIO()
     sample.image.save(buf, "PNG")
@@ -24,7 +34,7 @@ def make_job(processor, seed: int) -> tuple[ChatJob, str]:
     ids = processor(images=[sample.image], text=processor.apply_chat_template(msgs, add_generation_prompt=True))["input_ids"][0]
     now = time.monotonic()
     job = ChatJob(uuid.uuid4().hex, list(ids), [PreparedImage(buf.getvalue(), sample.image)], 8, SamplingParams(),
-                  now + 30.0, 1000.0, now)
+                  now + deadline_s, 1000.0, now)
     return job, sample.answer
 
 

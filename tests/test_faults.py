@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import io
 import logging
-import random
 import time
-import uuid
 
 import grpc
 import pytest
 from transformers import AutoProcessor
 
 from cluster import DEMO_MODEL, Cluster
-from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded, PreparedImage
+from demo_jobs import make_job as demo_make_job
+from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
 from leaks import LONG_LEASES, SETTLE_S, LeakCheck, orchestrator_counters
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.demo_model.shapes import draw_shape
 from runtime.policy.failure_policy import on_transfer_failure
-from runtime.model.sampling import SamplingParams
 
 DEADLINE_S = 6.0
 MARGIN_S = 2.0
@@ -48,15 +44,8 @@ def processor():
 
 
 def make_job(processor, seed: int, deadline_s: float = DEADLINE_S) -> tuple[ChatJob, str]:
-    sample = draw_shape(random.Random(seed))
-    buf = io.BytesIO()
-    sample.image.save(buf, "PNG")
-    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image ?"}]}]
-    ids = processor(images=[sample.image], text=processor.apply_chat_template(msgs, add_generation_prompt=True))["input_ids"][0]
-    now = time.monotonic()
-    job = ChatJob(uuid.uuid4().hex, list(ids), [PreparedImage(buf.getvalue(), sample.image)], 8, SamplingParams(),
-                  now + deadline_s, 1000.0, now)
-    return job, sample.answer
+    """``demo_jobs.make_job`` with this module's first-token deadline."""
+    return demo_make_job(processor, seed, deadline_s)
 
 
 async def run_job(orch: Orchestrator, processor, job: ChatJob) -> tuple[str, str | None, float]:

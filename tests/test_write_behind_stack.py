@@ -15,9 +15,8 @@ import random
 
 import pytest
 import redis
-from cluster import DEMO_MODEL, PLACEMENTS, Cluster
-from demo_jobs import make_job, run
-from transformers import AutoProcessor
+from cluster import PLACEMENTS, Cluster
+from demo_jobs import demo_processor, make_job, run
 
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
@@ -27,11 +26,6 @@ pytestmark = pytest.mark.timeout(240)
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ENTRIES = "epd:enc:e:*"   # the workers' encoder cache: the default namespace
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return AutoProcessor.from_pretrained(DEMO_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,8 @@ def entries() -> set[bytes]:
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-async def test_a_new_image_fetched_by_key_right_after_encode(stack, processor, placement):
+async def test_a_new_image_fetched_by_key_right_after_encode(stack, placement):
+    processor = demo_processor()
     address = {role: [w.address for w in stack.by_role(role)] for role in ("encoder", "prefill", "decode")}
     orch = Orchestrator(GatewaySettings(encoder_addrs=address["encoder"], prefill_addrs=address["prefill"],
                                         decode_addrs=address["decode"], placement=placement, prefill_chunk_tokens=8,
