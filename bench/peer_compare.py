@@ -7,11 +7,11 @@ from the venv of ``bench/vllm_setup.sh``, on a converted copy of the checkpoint;
 req/s against 127-151 in its second, and the worse-round ratios followed the order); then every
 load runs ``--rounds`` times on each, one server under load at a time, alternating which goes
 first (round ``r``'s seed is the same on both, so both see the same requests and images; every
-round's images are new to epd's encoder cache). Each round starts on a quiet host: it waits until both servers together use
-under 5% of a core (``quiet_wait_s``; vLLM's CPU engine spins a core for about a second after
-its load ends, which took half the host from epd's demo rounds before this wait). While one
-server is measured, the other's CPU seconds are read too (``idle_peer_cpu_s``): an idle server
-that spins would tax the measured one.
+round's images are new to epd's encoder cache). Each round starts on a quiet host: it waits until
+both servers together use under 5% of a core (``quiet_wait_s``; vLLM's CPU engine spins a core for
+about a second after its load ends, which took half the host from epd's demo rounds before this
+wait). While one server is measured, the other's CPU seconds are read too (``idle_peer_cpu_s``): an
+idle server that spins would tax the measured one.
 
 Reported per load, pooled over the rounds and per round, with ``vllm bench serve``'s
 definitions (``bench.metrics``): requests/s, output tokens/s, TTFT, TPOT, ITL and E2E

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from enum import Enum
 
 import torch
@@ -102,7 +102,7 @@ class RedisEncoderCache:
             config.max_bytes, config.ttl_s, on_change=self._counters.memory_changed
         )
         self._flights: SingleFlight[tuple[torch.Tensor, _Source]] = SingleFlight()
-        self._writes: set[asyncio.Task[None]] = set()   # write-behind stores, each holding its key's lock
+        self._writes: set[asyncio.Task[object]] = set()   # write-behind stores (a locked one holds its key's lock)
         self._store = RedisEntryStore(client, config.namespace, config.ttl_s)
         self._locks = RedisLocks(client, config.namespace, config.lock_ttl_s)
         self._notifier = ReadyNotifier(
@@ -261,7 +261,7 @@ class RedisEncoderCache:
                 self._lru.put(key, tensor, tensor_nbytes(tensor))
                 return tensor, _Source.REMOTE
             if not self._health.up:
-                return await self._compute_and_store(key, compute), _Source.COMPUTED
+                return await self._compute_and_store(key, compute, write_behind), _Source.COMPUTED
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_timeout_s
         waited = False
@@ -298,13 +298,14 @@ class RedisEncoderCache:
                 waited = True
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ready.wait(), min(self._config.poll_interval_s, remaining))
-        return await self._compute_and_store(key, compute), _Source.COMPUTED
+        return await self._compute_and_store(key, compute, write_behind), _Source.COMPUTED
 
-    async def _compute_and_store(self, key: str, compute: ComputeFn) -> torch.Tensor:
+    async def _compute_and_store(self, key: str, compute: ComputeFn, write_behind: bool) -> torch.Tensor:
+        """Compute without the lock (Redis down, or another holder hung past the wait) and store."""
         self._counters.compute()
         tensor = as_cached_tensor(await compute())
         self._lru.put(key, tensor, tensor_nbytes(tensor))
-        await self._remote_put(key, tensor)
+        await self._write(self._remote_put(key, tensor), write_behind)
         return tensor
 
     async def _compute_locked(self, key: str, compute: ComputeFn, token: str, write_behind: bool) -> torch.Tensor:
@@ -318,13 +319,18 @@ class RedisEncoderCache:
             raise
         heartbeat.cancel()
         self._lru.put(key, tensor, tensor_nbytes(tensor))
-        if write_behind:   # its own task: a caller cancelled from here on leaves the write and the lock to it
-            task = asyncio.create_task(self._store_and_release(key, tensor, token), name=f"encoder-cache-write {key}")
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
-        else:
-            await self._store_and_release(key, tensor, token)
+        await self._write(self._store_and_release(key, tensor, token), write_behind)
         return tensor
+
+    async def _write(self, write: Coroutine[object, None, object], behind: bool) -> None:
+        """Await ``write`` (the Redis store, and the lock's release if any), or with ``behind`` leave it to
+        a background task in ``_writes``: a caller cancelled from here on leaves the write to it."""
+        if not behind:
+            await write
+            return
+        task = asyncio.create_task(write, name="encoder-cache-write")
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     async def _store_and_release(self, key: str, tensor: torch.Tensor, token: str) -> None:
         try:

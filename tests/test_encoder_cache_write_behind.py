@@ -98,3 +98,13 @@ async def test_missed_computes_once_and_stores(open_cache, raw, namespace) -> No
                                    b.get_or_compute("k", encoder, missed=True))
     assert encoder.calls == 1 and sorted(r.hit for r in results) == [False, True]
     assert raw.exists(entry_key(namespace, "k")) and not raw.exists(f"{namespace}:lock:k")
+
+
+async def test_write_behind_after_a_hung_holder_still_stores(open_cache, raw, namespace) -> None:
+    raw.set(f"{namespace}:lock:k", "hung-host:1:token", px=30_000)   # never released: encode without the lock
+    cache = open_cache()
+    fetched = await cache.get_or_compute("k", Encoder(tensor(6)), wait_timeout_s=0.3, write_behind=True)
+    assert not fetched.hit and cache.stats()["wait_timeouts"] == 1
+    await settle(cache)
+    assert raw.exists(entry_key(namespace, "k"))
+    assert raw.get(f"{namespace}:lock:k") == b"hung-host:1:token"   # the hung holder's lock is not ours to free
