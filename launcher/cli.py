@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"epd: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     if name in PROCESSES:
+        from launcher.cpu_layout import bind_from_env
+
+        bind_from_env()   # EPD_CPU_CORES: before the command can start a thread, so all of them inherit it
         warn_unknown_settings(name)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)

@@ -21,7 +21,10 @@ must agree on; ``--no-prefix-cache`` goes to the decode workers). Besides serve'
   ``cpus // decodes`` threads and every other process ``cpus // model workers`` (at least 1; on
   CUDA 1). The decode worker runs the step every streamed token waits for, and colocated
   prompts too, while the prefill worker idles at low load and the encoder runs in bursts, so
-  it gets the cores (``worker_threads``).
+  it gets the cores (``worker_threads``). A checkpoint whose weight files are under
+  ``SMALL_MODEL_BYTES`` runs every process on one thread (the worker's own fit would anyway);
+- ``EPD_CPU_CORES``, a model worker's own cores (``--cpu-bind auto``, the default, on the CPU:
+  ``launcher/cpu_layout.py``), unless serve's environment sets it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pydantic import ValidationError
 from gateway.settings import GatewaySettings
 from runtime.worker.settings import WorkerSettings
 
+from .cpu_layout import CORES_ENV, checkpoint_weight_bytes, format_cores, plan_cores
 from .processes import accepting, free_port, grpc_serving
 from .restart_policy import RestartPolicy
 from .serve_settings import ServeSettings
@@ -45,6 +49,7 @@ from .supervisor import Child, ChildSpec, Supervisor, install_stop_signals
 
 WORKER_HOST = "127.0.0.1"        # workers are reached by the local gateway only
 ROLES = ("encoder", "prefill", "decode")
+BIND_ORDER = ("decode", "encoder", "prefill")   # who gets cores of its own first (--cpu-bind auto)
 EXE = [sys.executable, "-m", "launcher.cli"]
 STOP_GRACE_S = 5.0               # beyond a child's own drain timeout before it is killed
 
@@ -101,6 +106,9 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
     p.add_argument("--restart-limit", type=int, default=serve.restart_limit,
                    help="give up on a child after this many crashes within the window (EPD_RESTART_LIMIT)")
     p.add_argument("--restart-window-s", type=float, default=serve.restart_window_s, help="(EPD_RESTART_WINDOW_S)")
+    p.add_argument("--cpu-bind", choices=["auto", "none"], default=serve.cpu_bind,
+                   help="auto: each model worker on the CPU device runs on cores of its own while enough are "
+                        "left; none: the kernel places every process (EPD_CPU_BIND)")
     args = p.parse_args(argv)
     for name in ("encoders", "decodes"):
         if getattr(args, name) < 1:
@@ -162,11 +170,13 @@ def observability_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def worker_threads(role: str, addrs: dict[str, list[str]], device: str, cpus: int | None = None) -> int:
+def worker_threads(role: str, addrs: dict[str, list[str]], device: str, cpus: int | None = None,
+                   small_model: bool = False) -> int:
     """A process's torch threads when serve's environment does not fix ``OMP_NUM_THREADS``: the
     cores split among the decode workers for each of them, an even share of all model workers
-    for the others (at least 1; 1 on CUDA, where the GPU does the work)."""
-    if device != "cpu":
+    for the others (at least 1; 1 on CUDA, where the GPU does the work, and for a small model,
+    whose ops are too small to split: ``runtime/worker/threads.py``)."""
+    if device != "cpu" or small_model:
         return 1
     cpus = cpus or os.cpu_count() or 1
     if role == "decode":
@@ -177,7 +187,9 @@ def worker_threads(role: str, addrs: dict[str, list[str]], device: str, cpus: in
 def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[str, list[str]],
                  env: dict[str, str]) -> list[ChildSpec]:
     """Every worker's command and environment: ``env`` plus its role's ``OMP_NUM_THREADS``
-    (``worker_threads``) unless ``env`` already sets it (serve's own environment did)."""
+    (``worker_threads``) and, with ``--cpu-bind auto`` on the CPU, its own cores (``EPD_CPU_CORES``,
+    ``launcher/cpu_layout.py``), each unless ``env`` already sets it (serve's own environment did)."""
+    small = _small_checkpoint(args.model)
     specs = []
     n = 0
     for role in ROLES:
@@ -193,11 +205,25 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
                 argv += ["--no-prefix-cache"]
             if role in ("decode", "prefill") and not args.sliding_window_kv:
                 argv += ["--no-sliding-window-kv"]
-            child_env = {"OMP_NUM_THREADS": str(worker_threads(role, addrs, args.device)), **env}
+            child_env = {"OMP_NUM_THREADS": str(worker_threads(role, addrs, args.device, small_model=small)), **env}
             specs.append(ChildSpec(role, address, argv, child_env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1
+    if args.cpu_bind == "auto" and args.device == "cpu" and CORES_ENV not in env and hasattr(os, "sched_getaffinity"):
+        order = sorted(specs, key=lambda sp: BIND_ORDER.index(sp.role))   # decode first: its step is on every token's path
+        cores = plan_cores([int(sp.env["OMP_NUM_THREADS"]) for sp in order], sorted(os.sched_getaffinity(0)))
+        for sp, mine in zip(order, cores):
+            if mine is not None:
+                sp.env[CORES_ENV] = format_cores(mine)
     return specs
+
+
+def _small_checkpoint(model: str) -> bool:
+    """Whether ``model``'s weight files are under the size a worker runs on one thread."""
+    from runtime.worker.threads import SMALL_MODEL_BYTES
+
+    size = checkpoint_weight_bytes(model)
+    return size is not None and size < SMALL_MODEL_BYTES
 
 
 def gateway_spec(args: argparse.Namespace, gateway: GatewaySettings, env: dict[str, str]) -> ChildSpec:
@@ -242,7 +268,7 @@ def main(argv: list[str]) -> int:
 def _print_table(args: argparse.Namespace, children: list[Child]) -> None:
     print(f"\nepd serving {args.served_model_name} ({args.model}) on {args.device}")
     print(f"OpenAI API: http://{args.host}:{args.port}/v1   (status: http://{args.host}:{args.port}/status)\n")
-    print(f"{'role':<9}{'address':<24}pid")
+    print(f"{'role':<9}{'address':<24}{'pid':<9}cores")
     for c in children:
-        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.process.pid}")
+        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.process.pid!s:<9}{c.spec.env.get(CORES_ENV) or 'any'}")
     print("\nCrashed processes are restarted. Ctrl-C to stop.", flush=True)

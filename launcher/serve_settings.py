@@ -7,6 +7,8 @@ the same to ``epd serve`` as to the process it configures.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -21,3 +23,4 @@ class ServeSettings(BaseSettings):
     restart_max_backoff_s: float = Field(default=30.0, ge=0, description="serve: longest wait before a restart, seconds")
     restart_limit: int = Field(default=5, ge=1, description="serve: exits within the window after which serve gives up on a child")
     restart_window_s: float = Field(default=60.0, gt=0, description="serve: the window restart_limit counts exits in, seconds")
+    cpu_bind: Literal["auto", "none"] = Field(default="auto", description="serve: `auto` binds each model worker on the CPU device to cores of its own while enough are left (launcher/cpu_layout.py); `none` binds nothing")

@@ -95,6 +95,29 @@ def test_gateway_heap_frozen_at_start(served):
     assert "# TYPE epd:gc_pause_seconds histogram" in text
 
 
+def test_each_model_worker_runs_on_cores_of_its_own(served):
+    """``--cpu-bind auto`` (the default) with the demo model (one thread a process): decode on the
+    first core, the encoder on the next, prefill on a third if there is one; the gateway anywhere.
+    Every thread of a bound worker (event loop, torch thread, gRPC's) runs on its cores alone."""
+    from launcher.cpu_layout import plan_cores
+
+    _, _, children, _ = served
+    cpus = sorted(os.sched_getaffinity(0))
+    planned = dict(zip(("decode", "encoder", "prefill"), plan_cores([1, 1, 1], cpus)))
+    by_role = {}
+    for child in children:
+        role = next((a for a in child.cmdline() if a in ("encoder", "prefill", "decode", "gateway")), None)
+        if role:
+            by_role[role] = child
+    assert set(by_role) == {"encoder", "prefill", "decode", "gateway"}
+    for role, proc in by_role.items():
+        expected = set(planned.get(role) or cpus)
+        threads = {t.id: set(os.sched_getaffinity(t.id)) for t in proc.threads()}
+        assert len(threads) > 1 and all(cores == expected for cores in threads.values()), (role, threads)
+    if len(cpus) >= 2:
+        assert planned["decode"] == [cpus[0]] and planned["encoder"] == [cpus[1]]
+
+
 def test_ctrl_c_leaves_no_process(served):
     proc, _, children, log = served
     assert len(children) >= 4  # encoder, prefill, decode, gateway

@@ -8,14 +8,19 @@ the internal token everywhere, the API keys to the gateway alone.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from gateway.settings import GatewaySettings
 from launcher import serve
+from launcher.cpu_layout import plan_cores
 from launcher.serve_settings import ServeSettings
 from runtime.worker.settings import WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(argv: list[str], environ: dict[str, str] | None = None):
@@ -33,8 +38,6 @@ def flag(argv: list[str], name: str) -> str | None:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    import os
-
     for name in list(os.environ):
         if name.startswith("EPD_"):
             monkeypatch.delenv(name)
@@ -181,17 +184,80 @@ def test_no_prefix_cache_reaches_the_decode_workers_alone(monkeypatch):
     assert parse_worker_args("decode", []).prefix_cache is True
 
 
-def test_the_decode_worker_gets_the_cores_unless_the_environment_fixes_threads(monkeypatch):
+def test_the_decode_worker_gets_the_cores_unless_the_environment_fixes_threads(monkeypatch, tmp_path):
     one = {"encoder": ["e:1"], "prefill": ["p:1"], "decode": ["d:1"]}
     two = {**one, "decode": ["d:1", "d:2"]}
     assert [serve.worker_threads(r, one, "cpu", cpus=2) for r in ("encoder", "prefill", "decode", "gateway")] == [1, 1, 2, 1]
     assert [serve.worker_threads(r, two, "cpu", cpus=8) for r in ("encoder", "decode")] == [2, 4]
     assert serve.worker_threads("decode", one, "cuda", cpus=8) == 1
     monkeypatch.setattr(serve.os, "cpu_count", lambda: 4)
-    args, addrs, workers, gateway = build([], {})
+    big = ["--model", str(big_checkpoint(tmp_path))]
+    args, addrs, workers, gateway = build(big, {})
     assert {w.role: w.env["OMP_NUM_THREADS"] for w in workers} == {"encoder": "1", "prefill": "1", "decode": "4"}
     assert gateway.env["OMP_NUM_THREADS"] == "1"
-    args, addrs, workers, gateway = build([], {"OMP_NUM_THREADS": "3"})   # serve's own setting wins
+    args, addrs, workers, gateway = build(big, {"OMP_NUM_THREADS": "3"})   # serve's own setting wins
     assert {w.env["OMP_NUM_THREADS"] for w in [*workers, gateway]} == {"3"}
+    args, addrs, workers, gateway = build([], {})   # the demo model: every process on one thread
+    assert {w.env["OMP_NUM_THREADS"] for w in [*workers, gateway]} == {"1"}
+
+
+def big_checkpoint(tmp_path):
+    """A folder whose weight file is 32 MiB (sparse): over the one-thread bound."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(32 << 20)
+    return folder
+
+
+def cores_of(workers) -> dict[str, str | None]:
+    return {f"{w.role}@{w.address}": w.env.get("EPD_CPU_CORES") for w in workers}
+
+
+def test_cpu_bind_gives_each_model_worker_cores_of_its_own_while_they_last(monkeypatch, tmp_path):
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 2)
+    args, addrs, workers, gateway = build([], {})   # the demo model: one thread each, decode first
+    assert {w.role: w.env.get("EPD_CPU_CORES") for w in workers} == {"decode": "0", "encoder": "1", "prefill": None}
+    assert "EPD_CPU_CORES" not in gateway.env
+    # the bench-sized model: decode's two threads take both cores, so nothing is bound
+    args, addrs, workers, gateway = build(["--model", str(big_checkpoint(tmp_path))], {})
+    assert set(cores_of(workers).values()) == {None}
+    for argv, environ in ((["--cpu-bind", "none"], {}), ([], {"EPD_CPU_BIND": "none"}), (["--device", "cuda"], {})):
+        monkeypatch.setenv("EPD_CPU_BIND", environ.get("EPD_CPU_BIND", "auto"))
+        args, addrs, workers, gateway = build(argv, environ)
+        assert set(cores_of(workers).values()) == {None}, argv
+    monkeypatch.delenv("EPD_CPU_BIND")
+    args, addrs, workers, gateway = build([], {"EPD_CPU_CORES": "1"})   # serve's own binding: every child's
+    assert {w.env["EPD_CPU_CORES"] for w in [*workers, gateway]} == {"1"}
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 8)
+    args, addrs, workers, gateway = build(["--model", str(tmp_path / "big"), "--decodes", "2"], {})
+    bound = {w.address: w.env.get("EPD_CPU_CORES") for w in workers if w.role == "decode"}
+    assert sorted(bound.values()) == ["0,1,2,3", "4,5,6,7"]   # four threads each, on cores no one else has
+    assert {w.env.get("EPD_CPU_CORES") for w in workers if w.role != "decode"} == {None}
+
+
+def test_plan_cores_hands_out_cores_in_order_and_never_shares_one():
+    assert plan_cores([1, 1, 1], [0, 1]) == [[0], [1], None]
+    assert plan_cores([2, 1, 1], [0, 1]) == [None, None, None]        # decode takes every core: nothing bound
+    assert plan_cores([2, 2, 1, 3], [4, 5, 6, 7, 8]) == [[4, 5], [6, 7], [8], None]
+    assert plan_cores([3, 1], [0, 1, 2, 3]) == [[0, 1, 2], [3]]
+    assert plan_cores([1], [0]) == [None]
+
+
+def test_a_process_binds_itself_to_epd_cpu_cores_before_it_starts_threads():
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import os, threading; from launcher.cpu_layout import bind_from_env; bind_from_env(); "
+            "t = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0)))); t.start(); t.join()")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EPD_CPU_CORES": str(allowed[-1])},
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == f"[{allowed[-1]}]"   # a thread started later runs on the bound core alone
+    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "decode", "--help"],
+                         env={**os.environ, "EPD_CPU_CORES": "0,x"}, capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "EPD_CPU_CORES" in bad.stderr
 
 
