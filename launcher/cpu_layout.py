@@ -8,7 +8,7 @@ must run wherever one is; nor is a worker whose share would be every core anyway
 worker's threads stay on its own cores: its caches are still warm when the next request wakes it,
 and no other model worker's bursts land there. Two processes that run one after the other for
 every request (the encoder, then the decode worker's prompt step) no longer chase each other
-across the same two cores (bench/RESULTS.md, "Workers on their own cores").
+across the same two cores (bench/RESULTS.md, "Workers on cores of their own").
 
 So on two cores the demo model (one thread a worker: its weights are under
 ``SMALL_MODEL_BYTES``) gets decode on core 0 and the encoder on core 1, prefill and the gateway
