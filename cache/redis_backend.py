@@ -305,7 +305,7 @@ class RedisEncoderCache:
         self._counters.compute()
         tensor = as_cached_tensor(await compute())
         self._lru.put(key, tensor, tensor_nbytes(tensor))
-        await self._write(self._remote_put(key, tensor), write_behind)
+        await self._write(key, self._remote_put(key, tensor), write_behind)
         return tensor
 
     async def _compute_locked(self, key: str, compute: ComputeFn, token: str, write_behind: bool) -> torch.Tensor:
@@ -319,16 +319,16 @@ class RedisEncoderCache:
             raise
         heartbeat.cancel()
         self._lru.put(key, tensor, tensor_nbytes(tensor))
-        await self._write(self._store_and_release(key, tensor, token), write_behind)
+        await self._write(key, self._store_and_release(key, tensor, token), write_behind)
         return tensor
 
-    async def _write(self, write: Coroutine[object, None, object], behind: bool) -> None:
+    async def _write(self, key: str, write: Coroutine[object, None, object], behind: bool) -> None:
         """Await ``write`` (the Redis store, and the lock's release if any), or with ``behind`` leave it to
         a background task in ``_writes``: a caller cancelled from here on leaves the write to it."""
         if not behind:
             await write
             return
-        task = asyncio.create_task(write, name="encoder-cache-write")
+        task = asyncio.create_task(write, name=f"encoder-cache-write {key}")
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from cluster import DEMO_MODEL, Cluster
-from demo_jobs import make_job, run
-from transformers import AutoProcessor
+from cluster import Cluster
+from demo_jobs import demo_processor, make_job, run
 
 from gateway.chat_backend import BackendFailure
 from gateway.orchestrator import Orchestrator
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def processor():
-    return AutoProcessor.from_pretrained(DEMO_MODEL)
+    return demo_processor()
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,9 @@ import time
 
 import grpc
 import pytest
-from transformers import AutoProcessor
 
-from cluster import DEMO_MODEL, Cluster
-from demo_jobs import make_job as demo_make_job
+from cluster import Cluster
+from demo_jobs import demo_processor, make_job as demo_make_job
 from gateway.chat_backend import AdmissionRefused, BackendFailure, ChatJob, DeadlineExceeded
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
@@ -40,7 +39,7 @@ STEP_DELAY_MS = 100
 
 @pytest.fixture(scope="module")
 def processor():
-    return AutoProcessor.from_pretrained(DEMO_MODEL)
+    return demo_processor()
 
 
 def make_job(processor, seed: int, deadline_s: float = DEADLINE_S) -> tuple[ChatJob, str]:
