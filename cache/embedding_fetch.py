@@ -148,6 +148,13 @@ class EmbeddingFetcher:
                 found[i] = tensor_from_pb(enc.embedding)
         return [found[i] for i in range(len(images))]
 
+    async def store(self, address: str, embeddings: Sequence[pb.StoredEmbedding], timeout_s: float) -> int:
+        """Hand ``embeddings`` (computed by this worker from a request's bytes) to the encoder at
+        ``address`` for its cache; how many it kept. The address must be a discovered encoder."""
+        await self.peers.require(PeerRole.ENCODER, address)
+        resp = await self._stub(address).Store(pb.StoreRequest(embeddings=embeddings), timeout=timeout_s)
+        return resp.stored
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()

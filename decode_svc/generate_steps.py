@@ -115,6 +115,8 @@ class GenerateSteps:
         except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/worker/rpc_failure.py
             await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                              f"embedding fetch failed: {exc}")
+        except AdapterInputError as exc:   # bytes sent to encode here that are not the ref's image
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not res.holds(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while fetching embeddings")
         try:
@@ -131,17 +133,22 @@ class GenerateSteps:
         self.scheduler.insert_colocated(seq, prompt, chunk_tokens=request.chunk_tokens or None)
 
     async def _fetch_uncached(self, request: pb.GenerateRequest, res: Reservation, deadline: float) -> list:
-        """The prompt's image records: fetched for every image with placeholders past the cached
-        prefix, zero stand-ins for the rest (``prefix_match.with_stand_ins``)."""
+        """The prompt's image records: fetched (or encoded here, when the refs carry the bytes) for
+        every image with placeholders past the cached prefix, zero stand-ins for the rest
+        (``prefix_match.with_stand_ins``)."""
         refs = list(request.images)
         if not res.shared:
-            fetched = await self.fetcher.fetch(request.request_id, refs, deadline - time.monotonic())
-            return checked_embeddings(self.adapter.embeddings, refs, fetched)
+            return await self._image_records(request.request_id, refs, deadline)
         spans = spans_of(self.adapter, list(request.token_ids), refs)   # checked with the keys already
         need = needed_images(spans, res.cached_tokens)
-        fetched = await self.fetcher.fetch(request.request_id, [refs[k] for k in need], deadline - time.monotonic())
-        records = checked_embeddings(self.adapter.embeddings, [refs[k] for k in need], fetched)
+        records = await self._image_records(request.request_id, [refs[k] for k in need], deadline)
         return with_stand_ins(self.adapter, spans, dict(zip(need, records)))
+
+    async def _image_records(self, request_id: str, refs: list[pb.ImageRef], deadline: float) -> list:
+        if self.local_encoder.carries_bytes(refs):
+            return await self.local_encoder.encode(request_id, refs)
+        fetched = await self.fetcher.fetch(request_id, refs, deadline - time.monotonic())
+        return checked_embeddings(self.adapter.embeddings, refs, fetched)
 
     def _fill_first_event(self, out: pb.TokenEvent, res: Reservation, arrived: float, seq: Sequence) -> None:
         """The first event's account of the handoff: the transfer as decode saw it (first chunk

@@ -80,6 +80,7 @@ from runtime.worker.wire import logprobs_to_pb, sampling_from_pb, variant_proble
 
 from .generate_steps import GenerateSteps
 from .kv_receiver import KVReceiver, StreamTally
+from .local_encode import LocalEncoder
 from .prefix_match import PrefixCacheCounters
 from .request_status import DecodeStatus, finish_reason
 from .reservations import AttachRefused, Fit, Reservation, ReservationTable
@@ -111,6 +112,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         self.adapter = adapter
         self.pool = pool
         self.fetcher = fetcher
+        self.local_encoder = LocalEncoder(adapter, fetcher)   # a colocated request's images sent as bytes
         self.faults = faults or FaultInjector("")
         self.timings = TimingLog()
         # hybrid decoders: one linear-attention state slot per reservation, beside its blocks
@@ -149,6 +151,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
             self._reaper.cancel()
         await self.scheduler.stop()
         self.table.release_all("worker stopping")
+        await self.local_encoder.close()   # before the fetcher: its stores use the fetcher's channels
         await self.fetcher.close()
 
     def busy(self) -> bool:
@@ -331,6 +334,8 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 "prefix_cache_hits_total": self.prefix.hits_total, "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 "choices_retired_early_total": self.scheduler.choices_retired_early,
+                "images_encoded_here_total": self.local_encoder.encoded,
+                "embedding_store_failures_total": self.local_encoder.store_failures,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:

@@ -21,6 +21,10 @@ as the embeddings are computed: a miss's Redis write (and the release of its sin
 follows in the background (``write_behind``), and the gateway's miss is not read from Redis a second
 time (``missed``), two to three Redis round trips off every new image's first token.
 
+``Store`` keeps embeddings a decode worker computed itself from a colocated request's bytes
+(``decode_svc/local_encode.py``, which re-derived each key from the bytes as ``Encode`` does): a
+repeat of that image is then a hit here. ``stored`` counts them.
+
 ``cache_hits`` counts client images (bytes sent) that did not need encoding; a
 worker's lookup by key is no hit: one new image shows 1 compute and 0 hits.
 Concurrent misses for one key are merged into one encode (single-flight, across
@@ -37,15 +41,17 @@ import grpc
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from cache.encoder_cache import EncoderCache, tensor_nbytes
+from cache.encoder_cache import EncoderCache, check_key, tensor_nbytes
 from cache.keys import image_content_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.errors import InvalidImage
+from runtime.model.families import EmbeddingFormatError
+from runtime.model.tensor_bytes import TensorFormatError
 from runtime.model.model_adapter import VLMAdapter
 from runtime.worker.serving_state import ServingState
 from runtime.worker.tracing import span
-from runtime.worker.wire import tensor_to_pb
+from runtime.worker.wire import tensor_from_pb, tensor_to_pb
 
 from .batcher import EncodeBatcher
 
@@ -60,6 +66,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                   linear_kernel=adapter.linear_kernel)
         self.in_flight = 0
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
+        self.stored = 0          # embeddings decode workers computed and handed here (``Store``)
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first
 
     def key_for(self, image: Image.Image, cache_salt: str = "", layout_variant: str = "") -> str:
@@ -127,6 +134,22 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 s.set_attribute("epd.cache_hit", bool(hit))
         self.cache_hits += hit
         return key, tensor, hit
+
+    async def Store(self, request: pb.StoreRequest, context) -> pb.StoreResponse:
+        """Keep embeddings a decode worker computed from a colocated request's bytes (it re-derived
+        each key from them), as if encoded here; one not in this model's stored layout refuses the call."""
+        checked = []
+        for item in request.embeddings:
+            try:
+                tensor = tensor_from_pb(item.embedding)
+                self.adapter.embeddings([tensor])   # the stored layout read back (checked)
+                checked.append((check_key(item.cache_key), tensor))
+            except (ValueError, TensorFormatError, EmbeddingFormatError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"embedding {item.cache_key[:12]}: {exc}")
+        for key, tensor in checked:
+            await self.cache.put(key, tensor)
+        self.stored += len(checked)
+        return pb.StoreResponse(stored=len(checked))
 
     async def Cached(self, request: pb.CachedRequest, context) -> pb.CachedResponse:
         return pb.CachedResponse(cached=await self.cache.contains_many(list(request.cache_keys)))

@@ -98,8 +98,9 @@ class AttemptResult:
 
 async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefill: WorkerHandle | None,
                       reservation: pb.Reservation, refs: list[pb.ImageRef], digest: str,
-                      chunk_tokens: int) -> AttemptResult:
-    """Open the streams of one attempt (colocated when ``prefill`` is None) and wait for its verdict."""
+                      chunk_tokens: int, images_on_decode: bool = False) -> AttemptResult:
+    """Open the streams of one attempt (colocated when ``prefill`` is None) and wait for its verdict.
+    ``images_on_decode`` (colocated only): each image's bytes ride on its ref for decode to encode."""
     colocated = prefill is None
     e2e_timeout = time_left_s(job.ttft_deadline_s) + job.max_tokens * max(job.itl_slo_ms, 1000.0) / 1000.0
     request = pb.GenerateRequest(request_id=job.request_id, reservation=reservation, max_tokens=job.max_tokens,
@@ -114,6 +115,9 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
     if colocated:
         request.colocated = True
         request.chunk_tokens = chunk_tokens
+        if images_on_decode:
+            for ref, image in zip(request.images, job.images):
+                ref.image_data = image.data
     started = time.monotonic()
     stream = decode.stub.Generate(request, timeout=e2e_timeout)
     call = None

@@ -13,6 +13,10 @@ The bytes travel once, here. What Prefill and Generate carry is ``ImagePlan.refs
 key, salt, layout variant and encoder address, no bytes; the worker fetches the embedding by key,
 unless the ref carries it: an embedding of at most ``inline_up_to_bytes`` (``EPD_INLINE_EMBEDDING_BYTES``)
 comes back with ``Encode`` and rides inline on the ref (one fetch RPC less on the first token's path).
+A colocated request whose images are all new may skip the encoder: ``encode_on_decode`` (its
+estimated encode within ``colocated_encode_max_ms``, ``EPD_COLOCATED_ENCODE_MAX_MS``) sends
+each image's bytes on the ``Generate`` instead (``ImageRef.image_data``), and the decode worker
+encodes them and stores the embeddings with ``plan.encoder`` (``decode_svc/local_encode.py``).
 Salted keys everywhere (seen_images, Cached, Encode, the breakdown's hit count): a
 request learns about cached images only within its own salt, never another tenant's.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
+from runtime.policy.cost_model import CostModel
 
 from . import pipeline_metrics as m
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob
@@ -53,11 +58,30 @@ class ImagePlan:
 
 
 class EncoderStep:
-    def __init__(self, registry: WorkerRegistry, rpc: WorkerRpc, seen_images: SeenImages, inline_up_to_bytes: int = 0):
+    def __init__(self, registry: WorkerRegistry, rpc: WorkerRpc, seen_images: SeenImages, inline_up_to_bytes: int = 0,
+                 colocated_encode_max_ms: float = 0.0):
         self.registry = registry
         self.rpc = rpc
         self.seen_images = seen_images
         self.inline_up_to_bytes = inline_up_to_bytes
+        self.colocated_encode_max_ms = colocated_encode_max_ms
+
+    def encode_on_decode(self, plan: ImagePlan, cost_model: CostModel) -> bool:
+        """Whether a colocated request's images go to its decode worker as bytes, to be encoded there:
+        none known cached (a hit is cheaper at the encoder), and their encode estimated at most
+        ``colocated_encode_max_ms``, the stall it may put on that worker's other sequences."""
+        if not plan.needs_encode or plan.n_cached or self.colocated_encode_max_ms <= 0:
+            return False
+        return cost_model.encode_ms(len(plan.refs)) <= self.colocated_encode_max_ms
+
+    def sent_to_decode(self, plan: ImagePlan, breakdown: dict[str, float]) -> None:
+        """The images went to the decode worker as bytes: it encodes them and hands the embeddings to
+        ``plan.encoder``'s cache, so this gateway asks about them next time (a repeat arriving before
+        that store lands misses, and is encoded again)."""
+        breakdown["encode_ms"] = breakdown.get("encode_ms", 0.0)
+        breakdown["images_cache_hit"] = breakdown.get("images_cache_hit", 0.0)
+        breakdown["images_encoded_on_decode"] = breakdown.get("images_encoded_on_decode", 0.0) + len(plan.refs)
+        self.seen_images.add(plan.keys)
 
     async def plan(self, job: ChatJob) -> ImagePlan:
         """Keys and cache knowledge for ``job``'s images; 503 when they have no encoder to go to."""

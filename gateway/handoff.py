@@ -22,7 +22,9 @@ RESERVING   ``Reserve`` on the chosen decode worker while the request's images a
             that was not encoded because the prefix was expected cached, but that the
             reservation did not get, is encoded now (``encode_images``).
 ATTEMPTING  ``run_attempt`` (``gateway/attempt.py``): FIRST_TOKEN -> STREAMING, any other
-            outcome -> RECOVERING.
+            outcome -> RECOVERING. With ``images_on_decode`` a colocated attempt carries the
+            images' bytes for decode to encode; an attempt a recovery gave a prefill worker
+            first has them encoded (``encode_images``: prefill fetches by key).
 RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure policy and carry
             out its ``RecoveryPlan`` (``gateway/recovery.py``): RETRY / REPREFILL re-arm the
             held reservation, then close the old stream; OTHER_DECODE releases it and reserves
@@ -87,12 +89,13 @@ class Handoff:
                  cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int,
                  prefix: PrefixView | None = None, skipped: frozenset[int] = frozenset(),
                  encode_images: Callable[[set[int]], Awaitable[None]] | None = None,
-                 encode: Callable[[], Awaitable[None]] | None = None):
+                 encode: Callable[[], Awaitable[None]] | None = None, images_on_decode: bool = False):
         self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
         self.prefix = prefix                  # the prompt's prefix-cache keys per decode worker
         self.skipped = set(skipped)           # images not encoded: expected in the colocated worker's cache
         self.encode_images = encode_images
         self.encode = encode                  # the images' Encode, run beside the first Reserve (once)
+        self.images_on_decode = images_on_decode   # colocated attempts send the bytes; decode encodes them
         self.registry, self.rpc, self.cost_model, self.chunk_tokens = registry, rpc, cost_model, chunk_tokens
         self.loads = loads   # the policy's inputs now (gateway/admission.py), for the failure policy
         decode = registry.get("decode", decision.decode_worker)
@@ -164,8 +167,13 @@ class Handoff:
 
     async def _attempt(self) -> None:
         self.result = None
+        if self.images_on_decode and self.prefill is not None:
+            # a recovery moved the prompt to a prefill worker, which fetches by key: encode them now
+            if self.encode_images is not None:
+                await self.encode_images(set(range(len(self.refs))))
+            self.images_on_decode = False
         self.result = await run_attempt(self.rpc, self.job, self.decode, self.prefill, self.reservation, self.refs,
-                                        self.digest, self.chunk_tokens)
+                                        self.digest, self.chunk_tokens, images_on_decode=self.images_on_decode)
         if self.result.outcome is AttemptOutcome.FIRST_TOKEN:
             record_first_event(self.result, self.breakdown)
             self.state = HandoffState.STREAMING

@@ -8,7 +8,9 @@ Life of one request (the deadline travels in every message and as every RPC's ti
    online-calibrated cost model; refuse at once (429 + Retry-After) if none meets
    the deadline or no decode capacity will exist;
 3. encode the images that are not cached (the encoder fills the cache; the image
-   bytes travel only here, later messages carry keys), and at the same time
+   bytes travel only here, later messages carry keys) — or, for a colocated request whose
+   images are all new and quick to encode, send their bytes on the Generate for the decode
+   worker to encode itself (``EncoderStep.encode_on_decode``) — and at the same time
 4. the handoff (``gateway/handoff.py``): reserve decode blocks (fails fast when they
    cannot fit; Reserve needs nothing from Encode, so the two RPCs overlap), then either
    - colocated: ``Decode.Generate(colocated)`` prefills on the decode worker, or
@@ -26,8 +28,8 @@ streams are ``gateway/attempt.py``.
 
 The first event's ``ttft_breakdown`` (milliseconds unless named otherwise): here
 ``gateway_queue_ms``, ``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms``; from the encoder
-step ``encode_ms``, ``images_cache_hit`` and ``images_prefix_cached`` (counts: images not
-encoded because the colocated decode worker holds their KV); ``cached_tokens``, the prompt
+step ``encode_ms``, ``images_cache_hit``, ``images_prefix_cached`` (counts: images not
+encoded because the colocated decode worker holds their KV) and ``images_encoded_on_decode``; ``cached_tokens``, the prompt
 tokens the decode worker's prefix cache served (its Reserve reply); from decode's first event
 (``attempt.record_first_event``) ``prefill_ms``, ``transfer_ms``, ``transfer_bytes`` (bytes)
 when disaggregated, ``colocated_prefill_ms`` when colocated, ``decode_wait_ms`` and
@@ -67,7 +69,8 @@ class Orchestrator:
                                                    on_refresh=self._publish_gauges, token=settings.internal_token)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
-        self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages(), settings.inline_embedding_bytes)
+        self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages(), settings.inline_embedding_bytes,
+                                        settings.colocated_encode_max_ms)
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -144,7 +147,13 @@ class Orchestrator:
             expected = prefix.cached_tokens(decision.decode_worker) if colocated else 0
             skipped = frozenset(range(len(images.refs))) - set(prefix.images_needed(expected)) if expected else frozenset()
 
+            # all new, and cheap enough: the decode worker encodes them itself from the bytes
+            on_decode = colocated and not skipped and self.encoder_step.encode_on_decode(images, self.admission.cost_model)
+
             async def encode() -> None:   # the handoff runs it beside Decode.Reserve
+                if on_decode:
+                    self.encoder_step.sent_to_decode(images, breakdown)
+                    return
                 with span("gateway.encode", **rid, **{"epd.images": len(job.images) - len(skipped),
                                                       "epd.images_cached": images.n_cached}):
                     await self.encoder_step.encode(job, images, breakdown, skip=skipped)
@@ -157,7 +166,7 @@ class Orchestrator:
                               registry=self.registry, rpc=self.rpc, cost_model=self.admission.cost_model,
                               loads=lambda: self.admission.loads(shape, self.registry, own_transfer=not colocated),
                               chunk_tokens=self.chunk_tokens, prefix=prefix, skipped=skipped,
-                              encode=encode, encode_images=encode_images)
+                              encode=encode, encode_images=encode_images, images_on_decode=on_decode)
             # aclosing: when the consumer closes us (disconnect, stop string), the handoff's
             # finally (release the reservation) runs now, not whenever the generator is collected
             async with contextlib.aclosing(handoff.events()) as events:

@@ -40,7 +40,9 @@ def stack(tmp_path_factory):
             [sys.executable, "-m", "launcher.cli", "gateway", "--model", str(DEMO_MODEL), "--port", str(port),
              "--encoder-addrs", e.address, "--decode-addrs", d.address, "--placement", "colocated"],
             cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "EPD_API_KEY": ",".join(KEYS)})
+            # every image to the encoder, whose compute count the tests read (the salt on the images a
+            # colocated decode worker encodes itself: tests/test_colocated_encode.py)
+            env={**os.environ, "OMP_NUM_THREADS": "1", "EPD_API_KEY": ",".join(KEYS), "EPD_COLOCATED_ENCODE_MAX_MS": "0"})
         base = f"http://127.0.0.1:{port}"
         end = time.monotonic() + 60
         while True:

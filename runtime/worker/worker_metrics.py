@@ -35,6 +35,9 @@ _GAUGES = {
 _COUNTERS = {   # local_stats key ``<name>_total`` -> ``epd:worker_<name>_total``
     "encoder_computes": "Images the encoder computed (cache misses)",
     "encoder_cache_hits": "Images sent to the encoder that were already cached",
+    "encoder_stored": "Embeddings decode workers computed themselves and handed to the encoder's cache",
+    "images_encoded_here": "Images a decode worker encoded itself for a colocated request",
+    "embedding_store_failures": "Embeddings a decode worker computed that did not reach the encoder's cache",
 }
 
 

@@ -69,7 +69,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ImageRef(_message.Message):
-    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens", "layout_variant", "embedding")
+    __slots__ = ("cache_key", "encoder_address", "cache_salt", "grid_thw", "placeholder_tokens", "layout_variant", "embedding", "image_data")
     CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class ImageRef(_message.Message):
     PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VARIANT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DATA_FIELD_NUMBER: _ClassVar[int]
     cache_key: str
     encoder_address: str
     cache_salt: str
@@ -84,7 +85,8 @@ class ImageRef(_message.Message):
     placeholder_tokens: int
     layout_variant: str
     embedding: Tensor
-    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ..., layout_variant: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    image_data: bytes
+    def __init__(self, cache_key: _Optional[str] = ..., encoder_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., placeholder_tokens: _Optional[int] = ..., layout_variant: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., image_data: _Optional[bytes] = ...) -> None: ...
 
 class TimingSample(_message.Message):
     __slots__ = ("kind", "size", "ms")
@@ -227,6 +229,26 @@ class EncodeResponse(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
     encode_ms: float
     def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ..., encode_ms: _Optional[float] = ...) -> None: ...
+
+class StoredEmbedding(_message.Message):
+    __slots__ = ("cache_key", "embedding")
+    CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    cache_key: str
+    embedding: Tensor
+    def __init__(self, cache_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[StoredEmbedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[StoredEmbedding, _Mapping]]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("cache_keys",)

@@ -44,6 +44,11 @@ class EncoderStub:
                 request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.CachedRequest.SerializeToString,
                 response_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.CachedResponse.FromString,
                 _registered_method=True)
+        self.Store = channel.unary_unary(
+                '/epd.v1.Encoder/Store',
+                request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.StoreRequest.SerializeToString,
+                response_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.StoreResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/epd.v1.Encoder/Stats',
                 request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.StatsRequest.SerializeToString,
@@ -61,6 +66,12 @@ class EncoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cached(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Store(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +95,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Cached,
                     request_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.CachedRequest.FromString,
                     response_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.CachedResponse.SerializeToString,
+            ),
+            'Store': grpc.unary_unary_rpc_method_handler(
+                    servicer.Store,
+                    request_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.StoreRequest.FromString,
+                    response_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.StoreResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -145,6 +161,33 @@ class Encoder:
             '/epd.v1.Encoder/Cached',
             proto_dot_epd_dot_v1_dot_epd__pb2.CachedRequest.SerializeToString,
             proto_dot_epd_dot_v1_dot_epd__pb2.CachedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Store(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Encoder/Store',
+            proto_dot_epd_dot_v1_dot_epd__pb2.StoreRequest.SerializeToString,
+            proto_dot_epd_dot_v1_dot_epd__pb2.StoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

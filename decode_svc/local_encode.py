@@ -1,0 +1,131 @@
+"""A colocated request's images encoded on this decode worker, from the bytes its refs carry.
+
+The gateway puts each image's bytes in ``ImageRef.image_data`` on a colocated ``Generate`` when
+the tower's estimated time is within its ``colocated_encode_max_ms`` (``gateway/encoder_step.py``):
+the first token then skips a hop through the encoder and back. Per image, on the torch thread:
+decode the bytes, re-derive the salted content key from them in the ref's layout variant (a ref
+whose key is not its content's is refused before anything is encoded: ``LocalImageError``, like the
+encoder's own check), encode, and check the grid against the ref's.
+
+The embeddings then go to the encoder each ref names (``Encoder.Store``), in the background, so a
+repeat of the image is a cache hit there; the first token never waits for it. A failed store only
+loses that cache entry (logged and counted in ``store_failures``): the next request with the
+image is encoded again.
+
+Lifecycle: ``_stores`` holds the store tasks in flight (each removes itself when done); ``close``
+gives them ``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import Sequence
+
+from PIL import Image, UnidentifiedImageError
+
+from cache.embedding_fetch import EmbeddingFetcher, UnknownEncoderError
+from cache.keys import image_content_key, preprocess_digest
+from proto.epd.v1 import epd_pb2 as pb
+from runtime.model.errors import AdapterInputError
+from runtime.model.families import ImageEmbedding
+from runtime.model.model_adapter import VLMAdapter
+from runtime.worker import torch_thread
+from runtime.worker.peers import UnknownPeerError
+from runtime.worker.wire import ref_grids, tensor_to_pb
+
+log = logging.getLogger("epd.decode")
+
+STORE_TIMEOUT_S = 10.0      # one Store call to an encoder
+STORE_CLOSE_WAIT_S = 2.0    # what ``close`` gives the stores still in flight
+
+
+class LocalImageError(AdapterInputError):
+    """A ref's bytes are not an image, or not the image its cache key names."""
+
+    code = "invalid_image"
+
+
+class LocalEncoder:
+    def __init__(self, adapter: VLMAdapter, fetcher: EmbeddingFetcher):
+        self.adapter = adapter
+        self.fetcher = fetcher   # borrowed: its encoder channels and peer directory
+        self.digest = preprocess_digest(adapter.processor.image_processor.to_dict())
+        self.encoded = 0          # images encoded here
+        self.store_failures = 0   # embeddings that did not reach their encoder's cache
+        self._stores: set[asyncio.Task] = set()
+
+    @staticmethod
+    def carries_bytes(refs: Sequence[pb.ImageRef]) -> bool:
+        """True when every ref carries its image's bytes (the gateway sends all or none)."""
+        return bool(refs) and all(ref.image_data for ref in refs)
+
+    async def encode(self, request_id: str, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
+        """The refs' embeddings, computed here; their store to the encoders starts in the background.
+        ``UnknownEncoderError`` (before any work) when a ref names an encoder discovery does not list."""
+        try:
+            await self.fetcher.require_encoders(refs)
+        except UnknownPeerError as exc:
+            raise UnknownEncoderError(str(exc)) from exc
+        records = await torch_thread.run(self._encode, refs)
+        self.encoded += len(records)
+        self._store_later(request_id, refs, records)
+        return records
+
+    def _encode(self, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
+        images = [self._image(ref) for ref in refs]
+        records = self.adapter.encode_images(images, [ref.layout_variant for ref in refs])
+        for ref, grid, record in zip(refs, ref_grids(refs), records):
+            if grid != record.grid:
+                raise LocalImageError(f"image {ref.cache_key[:12]} has grid {record.grid} here, "
+                                      f"{grid} in the request: the gateway's processor settings differ")
+        return records
+
+    def _image(self, ref: pb.ImageRef) -> Image.Image:
+        """The ref's image as decoded, once its content key is the ref's."""
+        try:
+            image = Image.open(io.BytesIO(ref.image_data))
+            image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise LocalImageError(f"image {ref.cache_key[:12]}: not a decodable image: {exc}") from exc
+        key = image_content_key(image, self.adapter.model_fingerprint, self.digest, ref.cache_salt,
+                                ref.layout_variant)
+        if key != ref.cache_key:
+            raise LocalImageError(f"image {ref.cache_key[:12]}: cache key does not match the image content")
+        return image
+
+    def _store_later(self, request_id: str, refs: Sequence[pb.ImageRef], records: list[ImageEmbedding]) -> None:
+        by_encoder: dict[str, list[tuple[str, ImageEmbedding]]] = {}
+        for ref, record in zip(refs, records):
+            if ref.encoder_address:
+                by_encoder.setdefault(ref.encoder_address, []).append((ref.cache_key, record))
+        for address, items in by_encoder.items():
+            task = asyncio.create_task(self._store(request_id, address, items), name=f"store-{request_id}")
+            self._stores.add(task)
+            task.add_done_callback(self._stores.discard)
+
+    def _stored(self, items: list[tuple[str, ImageEmbedding]]) -> list[pb.StoredEmbedding]:
+        """The wire form, in the encoder cache's stored layout (off the event loop and the torch thread)."""
+        return [pb.StoredEmbedding(cache_key=key, embedding=tensor_to_pb(self.adapter.family.to_tensor(record)))
+                for key, record in items]
+
+    async def _store(self, request_id: str, address: str, items: list[tuple[str, ImageEmbedding]]) -> None:
+        try:
+            await self.fetcher.store(address, await asyncio.to_thread(self._stored, items), STORE_TIMEOUT_S)
+        except Exception as exc:   # the cache entry is lost, nothing else: the request has its embeddings
+            self.store_failures += len(items)
+            log.warning("request %s: storing %d embedding(s) with encoder %s failed: %s",
+                        request_id, len(items), address, exc)
+
+    @property
+    def stores_in_flight(self) -> int:
+        return len(self._stores)
+
+    async def close(self) -> None:
+        if self._stores:
+            await asyncio.wait(set(self._stores), timeout=STORE_CLOSE_WAIT_S)
+        for task in list(self._stores):
+            task.cancel()
+        if self._stores:
+            await asyncio.wait(set(self._stores))
