@@ -17,6 +17,9 @@ for M-RoPE families, the grid the gateway put in the ref (``ImageRef.grid_thw``,
 processor's ``image_grid_thw`` row). Anything else is a stale or foreign cache entry,
 the same failure as a missing one (``StaleEmbeddingError``), never the client's 400.
 
+``store`` goes the other way: embeddings a decode worker computed itself from a colocated
+request's bytes (``decode_svc/local_encode.py``) handed to the encoder a ref names, for its cache.
+
 An encoder named in a ref is dialled only when discovery lists it (``runtime/worker/peers.py``);
 every named address is checked before anything else, so a request naming an unknown
 encoder fails the same way whether or not its embeddings happen to be cached.
