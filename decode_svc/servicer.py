@@ -344,7 +344,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         return self.state.stats(
             request,
             queue_depth=self.scheduler.prefilling_seqs + self.table.waiting,
-            in_flight=self.table.active, running_seqs=self.scheduler.running_seqs,
+            in_flight=self.table.active, running_seqs=self.scheduler.running_seqs, computes=self.local_encoder.encoded,
             free_blocks=self.pool.available_blocks, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             free_state_slots=self.states.free_slots if self.states else 0,
             ring_groups=self.pool.groups.window_groups, ring_blocks=self.pool.ring_blocks_max,

@@ -64,7 +64,7 @@ class WorkerHandle:
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,
                            max_batch_observed=s.max_batch, max_batch_configured=s.max_batch_configured,
                            lease_reaped_total=s.lease_reaped_total, attention_kernel=s.attention_kernel,
-                           cached_blocks=s.cached_blocks,
+                           cached_blocks=s.cached_blocks, images_encoded_here=s.computes,
                            prefix_cache=s.prefix_cache, prefix_cache_queries_total=s.prefix_cache_queries_total,
                            prefix_cache_hits_total=s.prefix_cache_hits_total,
                            free_state_slots=s.free_state_slots, total_state_slots=s.total_state_slots)

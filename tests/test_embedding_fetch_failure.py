@@ -126,7 +126,8 @@ async def start_gateway(stack, placement: str, *, inline: bool):
     prefill, decode = stack.by_role("prefill")[0], stack.by_role("decode")[0]
     settings = GatewaySettings(encoder_addrs=[doomed.address, stable.address], prefill_addrs=[prefill.address],
                                decode_addrs=[decode.address], placement=placement, prefill_chunk_tokens=8,
-                               inline_embedding_bytes=(1 << 20) if inline else 0)
+                               inline_embedding_bytes=(1 << 20) if inline else 0,
+                               colocated_encode_max_ms=0)   # the image to the encoder, to be fetched from it
     orch = Orchestrator(settings)
     orch.registry.poll_s = 3600.0         # no background polls: only the orchestrator's verdicts change health
     killed = encoders[1: 2 + case]        # this test's doomed encoder and any earlier one

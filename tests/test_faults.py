@@ -66,7 +66,9 @@ async def run_job(orch: Orchestrator, processor, job: ChatJob) -> tuple[str, str
 
 def orchestrator(cluster: Cluster, placement: str, chunk: int = 8) -> Orchestrator:
     addrs = {f"{r}_addrs": [w.address for w in cluster.by_role(r)] for r in ("encoder", "prefill", "decode")}
-    return Orchestrator(GatewaySettings(**addrs, placement=placement, prefill_chunk_tokens=chunk))
+    # images through the encoder in both placements (its faults are what these tests inject)
+    return Orchestrator(GatewaySettings(**addrs, placement=placement, prefill_chunk_tokens=chunk,
+                                        colocated_encode_max_ms=0))
 
 
 async def run_batch(cluster: Cluster, processor, seeds, *, concurrent: bool = False, exclude=()):
