@@ -73,6 +73,11 @@ async def encoder_stats(stack) -> pb.WorkerStats:
         return await pb_grpc.EncoderStub(ch).Stats(pb.StatsRequest(), timeout=5)
 
 
+def content_key(stats: pb.WorkerStats, job, cache_salt: str = "") -> str:
+    """The salted key the gateway and the workers file ``job``'s image under (the encoder's ``stats``)."""
+    return image_content_key(job.images[0].image, stats.model_fingerprint, stats.preprocess_digest, cache_salt)
+
+
 async def cached_at_encoder(stack, key: str, wait_s: float = 10.0) -> bool:
     """Whether the encoder holds ``key`` within ``wait_s`` (the decode worker stores in the background)."""
     async with grpc.aio.insecure_channel(stack.by_role("encoder")[0].address) as ch:
@@ -95,8 +100,7 @@ async def test_a_new_image_is_encoded_on_decode_and_its_repeat_is_an_encoder_cac
         assert breakdown["images_encoded_on_decode"] == 1
         assert (await encoder_stats(stack)).computes == computes, "the encoder encoded an image decode encoded"
 
-        stats = await encoder_stats(stack)
-        key = image_content_key(job.images[0].image, stats.model_fingerprint, stats.preprocess_digest)
+        key = content_key(await encoder_stats(stack), job)
         assert await cached_at_encoder(stack, key), "decode's embedding never reached the encoder's cache"
         again, _ = make_job(processor, seed=61)   # the very same image
         text, breakdown = await answer_and_breakdown(orch, processor, again)
@@ -116,11 +120,8 @@ async def test_an_image_encoded_on_decode_is_stored_in_its_requests_cache_namesp
         job.cache_salt = "tenant-a"
         text, breakdown = await answer_and_breakdown(orch, processor, job)
         assert text == answer and breakdown["images_encoded_on_decode"] == 1
-        image = job.images[0].image
-        salted = image_content_key(image, stats.model_fingerprint, stats.preprocess_digest, "tenant-a")
-        assert await cached_at_encoder(stack, salted)
-        unsalted = image_content_key(image, stats.model_fingerprint, stats.preprocess_digest)
-        assert not await cached_at_encoder(stack, unsalted, wait_s=0.2)
+        assert await cached_at_encoder(stack, content_key(stats, job, "tenant-a"))
+        assert not await cached_at_encoder(stack, content_key(stats, job), wait_s=0.2)
 
         other, _ = make_job(processor, seed=65)
         other.cache_salt = "tenant-b"   # the same image in another namespace: new there
@@ -153,7 +154,7 @@ async def test_bytes_that_are_not_the_refs_image_are_refused_and_nothing_is_held
     other = draw_shape(random.Random(64)).image
     buf = io.BytesIO()
     other.save(buf, "PNG")
-    key = image_content_key(job.images[0].image, stats.model_fingerprint, stats.preprocess_digest)
+    key = content_key(stats, job)
     ref = pb.ImageRef(cache_key=key, encoder_address=encoder.address, image_data=buf.getvalue())
     digest = token_digest(job.token_ids, [key])
     deadline_ms = int((time.time() + 20) * 1000)
