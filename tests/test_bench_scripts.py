@@ -445,3 +445,24 @@ def test_rounds_wait_for_a_quiet_host() -> None:
         assert wait_quiet([busy, forever], timeout_s=0.6) >= 0.6   # never quiet: bounded by the timeout
     finally:
         stop_group([busy, forever])
+
+
+def test_epd_ab_reads_each_stacks_settings_and_counts_the_rounds_b_won():
+    from bench import epd_ab
+
+    args = epd_ab.parse_args(["--b-env", "EPD_COLOCATED_ENCODE_MAX_MS=0", "--b-env", "EPD_CPU_BIND=none",
+                              "--concurrency", "1,16", "--requests", "64"])
+    assert args.a_env == {} and args.b_env == {"EPD_COLOCATED_ENCODE_MAX_MS": "0", "EPD_CPU_BIND": "none"}
+    assert args.concurrency == [1, 16] and args.requests == [64, 64]
+    with pytest.raises(SystemExit):
+        epd_ab.parse_args(["--b-env", "no-equals-sign"])
+    with pytest.raises(SystemExit):
+        epd_ab.parse_args(["--concurrency", "1,4,16", "--requests", "8,8"])
+
+    a = [fake_report(ttft_ms_p50=t, req_per_s=r) for t, r in ((10.0, 50.0), (12.0, 40.0), (11.0, 45.0))]
+    b = [fake_report(ttft_ms_p50=t, req_per_s=r) for t, r in ((9.0, 55.0), (13.0, 39.0), (10.0, 46.0))]
+    s = epd_ab.summarize({"A": a, "B": b})
+    assert s["A"]["ttft_ms_p50"] == 11.0 and s["B"]["ttft_ms_p50"] == 10.0
+    assert s["A"]["req_per_s"] == 45.0 and s["B"]["req_per_s"] == 46.0
+    assert (s["b_lower_ttft_rounds"], s["b_more_req_per_s_rounds"], s["rounds"]) == (2, 2, 3)
+    assert "| 1 " in epd_ab.table({1: s}) and "2/3" in epd_ab.table({1: s})
