@@ -2,6 +2,7 @@
 
     python -m bench.epd_ab --b-env EPD_COLOCATED_ENCODE_MAX_MS=0 --rounds 6
     python -m bench.epd_ab --a-env EPD_CPU_BIND=none --b-env EPD_CPU_BIND=auto --concurrency 1
+    git worktree add /tmp/epd-before HEAD~1 && python -m bench.epd_ab --a-root /tmp/epd-before   # two commits
 
 Both stacks run this checkout's code on the same model, up together for the whole run, so a
 change of the host between them (other tenants, a faster minute) reaches both. Each round runs
@@ -13,7 +14,9 @@ of TTFT p50 and req/s, and in how many rounds B beat A; the worse and better rou
 JSON (``results/epd_ab-TAG.json``) with every round's report.
 
 Meant for a change that a setting switches on or off (``EPD_*``, read by every process
-``epd serve`` starts); the side-by-side against other servers is ``bench.compare_servers``.
+``epd serve`` starts), or for two commits: ``--a-root`` / ``--b-root`` run that stack from another
+checkout (its processes start there, so ``python -m`` imports that checkout's code; the venv is
+this one's). The side-by-side against other servers is ``bench.compare_servers``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="stack A's settings (repeatable)")
     p.add_argument("--b-env", action="append", type=env_item, default=[], metavar="KEY=VALUE",
                    help="stack B's settings (repeatable)")
+    p.add_argument("--a-root", type=Path, default=ROOT, help="the checkout stack A runs (default: this one)")
+    p.add_argument("--b-root", type=Path, default=ROOT, help="the checkout stack B runs (default: this one)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies, each run every round")
     p.add_argument("--requests", default="128,192", help="requests per run, one per concurrency (or one for all)")
     p.add_argument("--rounds", type=int, default=6)
@@ -101,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ports = {name: free_port() for name in STACKS}
     envs = {"A": {**os.environ, **args.a_env}, "B": {**os.environ, **args.b_env}}
-    procs = {name: epd_serve(args.model, ports[name], args.logs, args.name, env=envs[name]).start() for name in STACKS}
+    roots = {"A": args.a_root.resolve(), "B": args.b_root.resolve()}
+    procs = {name: epd_serve(args.model, ports[name], args.logs, args.name, env=envs[name], root=roots[name]).start()
+             for name in STACKS}
     bases = {name: f"http://127.0.0.1:{ports[name]}" for name in STACKS}
     reports: dict[int, dict[str, list[dict[str, Any]]]] = {c: {n: [] for n in STACKS} for c in args.concurrency}
     try:
@@ -123,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         stop_group(list(procs.values()))
     summary = {c: summarize(reports[c]) for c in args.concurrency}
-    print(f"A: {args.a_env or 'as is'}  B: {args.b_env}\n" + table(summary))
+    print(f"A: {args.a_root} {args.a_env or ''}  B: {args.b_root} {args.b_env or ''}\n" + table(summary))
     path = RESULTS / (f"epd_ab-{args.tag}.json" if args.tag else "epd_ab.json")
     finish_results(path, {**results_header("epd_ab", argv), "host": host_info(),
                           "settings": settings_json({k: v for k, v in vars(args).items() if k != "logs"}),

@@ -12,7 +12,9 @@ Who frees what: a reservation is released (exactly once,
     the sequence's lease is still the reservation's: ``release_lease``);
   - ``Generate`` itself when it ends before insertion (deadline, cancel, error),
     except on a FAILED transfer, where the reservation is kept so the gateway can
-    retry into it (``Rearm``) while its lease lasts;
+    retry into it (``Rearm``) while its lease lasts. A colocated ``Generate`` may
+    reserve itself (``GenerateRequest.reserve``: ``Reserve``'s checks, then the commit and
+    the attach with no await between), and then owns its reservation the same way;
   - ``Release`` from the gateway (for an inserted sequence: it is cancelled, and
     its retirement frees);
   - the lease reaper, for reservations not inserted in time (counted:
@@ -172,6 +174,11 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
 
     # -- RPCs ---------------------------------------------------------------------
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        return self._reserve_response(await self._reserve(request, context))
+
+    async def _reserve(self, request: pb.ReserveRequest, context) -> Reservation:
+        """Reserve's checks and commit (``Reserve``, or a colocated ``Generate`` that reserves
+        itself); a refusal aborts the call. Awaits only to abort: the commit follows its check."""
         if not self.state.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         if request.prompt_tokens < 1 or request.max_tokens < 1:
@@ -204,7 +211,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                                 + (f", {self.states.free_slots} free state slots)" if self.states else ")"))
         if self.pool.prefix_cache:
             self.prefix.count(request.prompt_tokens, res.cached_tokens)
-        return self._reserve_response(res)
+        return res
 
     def _reserve_response(self, res: Reservation) -> pb.ReserveResponse:
         return pb.ReserveResponse(
@@ -247,6 +254,17 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         problem = variant_problem(self.adapter.family, request.images)
         if problem:   # before attaching: nothing is held yet
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        reserved = None
+        if request.HasField("reserve"):   # colocated: reserve here, then attach at once (no await between)
+            if not request.colocated or request.reservation.reservation_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reserve rides on a colocated Generate only, "
+                                                                      "instead of a reservation")
+            if max(1, request.reserve.choices) != sampling.n:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"n={sampling.n} for a reservation of {max(1, request.reserve.choices)} choices")
+            reserved = await self._reserve(request.reserve, context)
+            request.reservation.reservation_id, request.reservation.generation = (reserved.reservation_id,
+                                                                                  reserved.generation)
         res = self.table.get(request.reservation.reservation_id)
         if res is not None and sampling.n != res.choices:   # before attaching: nothing changes
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -314,6 +332,8 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 if first:
                     first = False
                     self._fill_first_event(out, res, arrived, seq)
+                    if reserved is not None:
+                        out.reserved.CopyFrom(self._reserve_response(reserved))
                 yield out
                 if ev.finish_reason:
                     live.discard(ev.index)

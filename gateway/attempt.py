@@ -98,14 +98,17 @@ class AttemptResult:
 
 async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefill: WorkerHandle | None,
                       reservation: pb.Reservation, refs: list[pb.ImageRef], digest: str,
-                      chunk_tokens: int, images_on_decode: bool = False) -> AttemptResult:
+                      chunk_tokens: int, images_on_decode: bool = False,
+                      reserve: pb.ReserveRequest | None = None) -> AttemptResult:
     """Open the streams of one attempt (colocated when ``prefill`` is None) and wait for its verdict.
-    ``images_on_decode`` (colocated only): each image's bytes ride on its ref for decode to encode."""
+    ``images_on_decode`` (colocated only): each image's bytes ride on its ref for decode to encode.
+    ``reserve`` (colocated only, ``reservation`` None): the Generate reserves itself; its first
+    event names the reservation (``TokenEvent.reserved``)."""
     colocated = prefill is None
     e2e_timeout = time_left_s(job.ttft_deadline_s) + job.max_tokens * max(job.itl_slo_ms, 1000.0) / 1000.0
     request = pb.GenerateRequest(request_id=job.request_id, reservation=reservation, max_tokens=job.max_tokens,
                                  sampling=sampling_to_pb(job.sampling),
-                                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s))
+                                 deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), reserve=reserve)
     # the prompt travels either way: colocated, decode prefills it; disaggregated, decode checks
     # the prefix keys it caches the prompt's blocks under against it (and sampling that reads the
     # prompt's ids, repetition_penalty, reads them)
@@ -165,6 +168,7 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
         return result
     except BaseException:
         first_task.cancel()
+        stream.cancel()   # the request fails or is gone: decode frees what this attempt held before insertion
         if call is not None:
             call.cancel()   # done within a loop iteration; its done callback consumes the outcome
         raise

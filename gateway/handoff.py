@@ -21,6 +21,11 @@ RESERVING   ``Reserve`` on the chosen decode worker while the request's images a
             and the reply's ``cached_tokens`` (in the TTFT breakdown) is what it reused. An image
             that was not encoded because the prefix was expected cached, but that the
             reservation did not get, is encoded now (``encode_images``).
+            A colocated request with nothing to overlap (no Encode RPC, no skipped image) sends
+            no Reserve: its first attempt's Generate reserves itself (``reserve_in_generate``,
+            one round trip less), and the first event names the reservation; a refusal is
+            Reserve's (429 when no room), and a failed attempt leaves nothing held on decode
+            (a recovery reserves anew).
 ATTEMPTING  ``run_attempt`` (``gateway/attempt.py``): FIRST_TOKEN -> STREAMING, any other
             outcome -> RECOVERING. With ``images_on_decode`` a colocated attempt carries the
             images' bytes for decode to encode; an attempt a recovery gave a prefill worker
@@ -89,7 +94,8 @@ class Handoff:
                  cost_model: CostModel, loads: Callable[[], StageLoads], chunk_tokens: int,
                  prefix: PrefixView | None = None, skipped: frozenset[int] = frozenset(),
                  encode_images: Callable[[set[int]], Awaitable[None]] | None = None,
-                 encode: Callable[[], Awaitable[None]] | None = None, images_on_decode: bool = False):
+                 encode: Callable[[], Awaitable[None]] | None = None, images_on_decode: bool = False,
+                 reserve_in_generate: bool = False):
         self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
         self.prefix = prefix                  # the prompt's prefix-cache keys per decode worker
         self.skipped = set(skipped)           # images not encoded: expected in the colocated worker's cache
@@ -104,6 +110,8 @@ class Handoff:
             raise BackendFailure("the worker chosen for this request left before it got there", 503)
         self.decode: WorkerHandle = decode
         self.prefill: WorkerHandle | None = prefill   # None: colocated
+        # colocated, nothing to overlap with a Reserve: the first attempt's Generate reserves itself
+        self.reserve_in_generate = reserve_in_generate and prefill is None
         self.state = HandoffState.RESERVING
         self.reservation: pb.Reservation | None = None
         self.result: AttemptResult | None = None      # the current attempt's
@@ -130,6 +138,12 @@ class Handoff:
 
     # -- states --------------------------------------------------------------------
     async def _reserve(self) -> None:
+        if self.reserve_in_generate:   # no Reserve RPC: the encode step only books (no RPC either)
+            if self.encode is not None:
+                await self.encode()
+                self.encode = None
+            self.state = HandoffState.ATTEMPTING
+            return
         encoding = asyncio.create_task(self.encode()) if self.encode is not None else None
         self.encode = None
         try:
@@ -172,9 +186,25 @@ class Handoff:
             if self.encode_images is not None:
                 await self.encode_images(set(range(len(self.refs))))
             self.images_on_decode = False
-        self.result = await run_attempt(self.rpc, self.job, self.decode, self.prefill, self.reservation, self.refs,
-                                        self.digest, self.chunk_tokens, images_on_decode=self.images_on_decode)
+        reserve, keys = None, []
+        if self.reserve_in_generate:   # the first attempt only
+            self.reserve_in_generate = False
+            keys = self.prefix.keys_for(self.decode) if self.prefix is not None else []
+            reserve = self.rpc.reserve_request(self.decode, self.job, self.digest, keys, reuse_prefix=True)
+        try:
+            self.result = await run_attempt(self.rpc, self.job, self.decode, self.prefill, self.reservation,
+                                            self.refs, self.digest, self.chunk_tokens,
+                                            images_on_decode=self.images_on_decode, reserve=reserve)
+        except grpc.aio.AioRpcError as exc:
+            if reserve is None:
+                raise
+            raise self.rpc.reserve_failure(self.decode, exc, self.job) from exc
         if self.result.outcome is AttemptOutcome.FIRST_TOKEN:
+            if reserve is not None:   # the reservation decode made for this Generate
+                reserved = self.result.first.reserved
+                self.reservation = reserved.reservation
+                self.breakdown["cached_tokens"] = float(reserved.cached_tokens)
+                self.rpc.reserved(self.decode, self.job, reserved, bool(keys))
             record_first_event(self.result, self.breakdown)
             self.state = HandoffState.STREAMING
             for ref in self.refs:   # no further attempt will send them: a long stream holds no embedding bytes
@@ -207,7 +237,8 @@ class Handoff:
     async def _carry_out(self, plan: RecoveryPlan, failure: Failure) -> None:
         result = self.result
         if not plan.step.keeps_reservation:
-            await self.rpc.release(self.decode, self.reservation, self.job, f"transfer failed: {plan.step.value}")
+            if self.reservation is not None:
+                await self.rpc.release(self.decode, self.reservation, self.job, f"transfer failed: {plan.step.value}")
             self.reservation = None   # released: the close must not release it again
             result.close_stream()
         if plan.step is Step.FAIL:
@@ -217,6 +248,9 @@ class Handoff:
         self.prefill = plan.prefill
         if plan.step is Step.OTHER_DECODE:
             self._move_to(plan.decode)
+            await self._reserve_on_decode()
+        elif self.reservation is None:   # the failed Generate reserved itself: decode freed it, reserve anew
+            result.close_stream()
             await self._reserve_on_decode()
         else:
             self.reservation = await self.rpc.rearm(self.decode, self.reservation, self.job)  # blocks kept

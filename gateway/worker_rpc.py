@@ -91,22 +91,39 @@ class WorkerRpc:
         """Decode blocks for the prompt and ``max_tokens``; a worker that cannot fit them refuses at once (429).
         ``reuse_prefix``: the worker may start the reservation with the cached blocks of ``prefix_keys``."""
         try:
-            resp = await h.stub.Reserve(pb.ReserveRequest(
-                request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
-                deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest,
-                model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta,
-                prefix_keys=list(prefix_keys), reuse_prefix=reuse_prefix, choices=job.sampling.n),
-                timeout=time_left_s(job.ttft_deadline_s))
+            resp = await h.stub.Reserve(self.reserve_request(h, job, digest, prefix_keys, reuse_prefix),
+                                        timeout=time_left_s(job.ttft_deadline_s))
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                m.ADMISSION_REJECTED.labels("no_decode_capacity").inc()
-                raise AdmissionRefused(429, f"decode capacity: {exc.details()}", 1.0) from exc
-            raise self.failure("decode", h, exc, job) from exc
-        h.bulk_address = resp.bulk_address
-        if prefix_keys:
+            raise self.reserve_failure(h, exc, job) from exc
+        self.reserved(h, job, resp, bool(prefix_keys))
+        return resp
+
+    @staticmethod
+    def reserve_request(h: WorkerHandle, job: ChatJob, digest: str, prefix_keys: list[bytes] = (),
+                        reuse_prefix: bool = False) -> pb.ReserveRequest:
+        """What ``Reserve`` sends (also what a colocated ``Generate`` that reserves itself carries)."""
+        return pb.ReserveRequest(
+            request_id=job.request_id, prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
+            deadline_unix_ms=deadline_unix_ms(job.ttft_deadline_s), token_digest=digest,
+            model_fingerprint=h.stats.model_fingerprint, rope_delta=job.rope_delta,
+            prefix_keys=list(prefix_keys), reuse_prefix=reuse_prefix, choices=job.sampling.n)
+
+    def reserve_failure(self, h: WorkerHandle, exc: grpc.aio.AioRpcError, job: ChatJob) -> Exception:
+        """A refused reservation: no room is a 429 (``no_decode_capacity``), the rest as ``failure``."""
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            m.ADMISSION_REJECTED.labels("no_decode_capacity").inc()
+            return AdmissionRefused(429, f"decode capacity: {exc.details()}", 1.0)
+        return self.failure("decode", h, exc, job)
+
+    @staticmethod
+    def reserved(h: WorkerHandle, job: ChatJob, resp: pb.ReserveResponse, asked_prefix: bool) -> None:
+        """A reservation granted (by ``Reserve`` or a self-reserving ``Generate``): its bulk address, and
+        the prefix-cache counters when the request named prefix keys."""
+        if resp.bulk_address:
+            h.bulk_address = resp.bulk_address
+        if asked_prefix:
             m.PREFIX_QUERIES.labels(h.address).inc(len(job.token_ids))
             m.PREFIX_HITS.labels(h.address).inc(resp.cached_tokens)
-        return resp
 
     async def rearm(self, h: WorkerHandle, reservation: pb.Reservation, job: ChatJob) -> pb.Reservation:
         """The held reservation's next generation (blocks kept; chunks of the old one are refused)."""

@@ -34,9 +34,10 @@ __all__ = ["EPD", "RESULTS", "ROOT", "Process", "StartError", "bench_process", "
 
 
 def bench_process(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                  stop_timeout_s: float = 20.0) -> Process:
-    """A benchmark's child: cwd the repository root, this process's environment plus ``env``."""
-    return Process(ProcessSpec(name, list(argv), child_env(env), log_path, ROOT, stop_timeout_s))
+                  stop_timeout_s: float = 20.0, root: Path = ROOT) -> Process:
+    """A benchmark's child: cwd ``root`` (the repository root, or another checkout of it, whose code
+    ``python -m`` then runs), this process's environment plus ``env``."""
+    return Process(ProcessSpec(name, list(argv), child_env(env), log_path, root, stop_timeout_s))
 
 
 def venv_tool(name: str) -> str:
@@ -56,10 +57,10 @@ def transformers_serve(model: Path, port: int, logs: Path, threads: int | None =
 
 
 def epd_serve(model: Path, port: int, logs: Path, name: str, extra: Sequence[str] = (),
-              env: Mapping[str, str] | None = None) -> Process:
-    """``epd serve --model MODEL`` with the gateway on ``port``, served as ``name``."""
+              env: Mapping[str, str] | None = None, root: Path = ROOT) -> Process:
+    """``epd serve --model MODEL`` with the gateway on ``port``, served as ``name``, run from ``root``'s code."""
     cmd = [*EPD, "serve", "--model", str(model.resolve()), "--port", str(port), "--served-model-name", name, *extra]
-    return bench_process("epd serve", cmd, logs / f"epd-serve-{port}.log", env)
+    return bench_process("epd serve", cmd, logs / f"epd-serve-{port}.log", env, root=root)
 
 
 def worker_cmd(role: str, model: Path, port: int, cores: str | None, extra: Sequence[str] = ()) -> list[str]:

@@ -399,7 +399,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., rejected: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens", "cache_salt")
+    __slots__ = ("request_id", "reservation", "max_tokens", "sampling", "deadline_unix_ms", "colocated", "token_ids", "images", "chunk_tokens", "cache_salt", "reserve")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +410,7 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation: Reservation
     max_tokens: int
@@ -420,7 +421,8 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[ImageRef]
     chunk_tokens: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    reserve: ReserveRequest
+    def __init__(self, request_id: _Optional[str] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., colocated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ...) -> None: ...
 
 class TransferMetric(_message.Message):
     __slots__ = ("transfer_latency_s", "alloc_latency_s", "transfer_total_bytes", "chunks", "prefill_ms")
@@ -437,7 +439,7 @@ class TransferMetric(_message.Message):
     def __init__(self, transfer_latency_s: _Optional[float] = ..., alloc_latency_s: _Optional[float] = ..., transfer_total_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms", "logprobs", "index")
+    __slots__ = ("token_ids", "finish_reason", "transfer", "queue_ms", "first_step_ms", "logprobs", "index", "reserved")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +447,7 @@ class TokenEvent(_message.Message):
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     transfer: TransferMetric
@@ -452,7 +455,8 @@ class TokenEvent(_message.Message):
     first_step_ms: float
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    reserved: ReserveResponse
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferMetric, _Mapping]] = ..., queue_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., reserved: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "reservation", "reason", "choices")
