@@ -149,6 +149,19 @@ class Cluster:
         stop_group([w.process for w in self.workers])
 
 
+@contextmanager
+def encoder_and_decode(tmp: Path, decode_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """One encoder and one decode worker (the demo model), healthy; stopped on exit."""
+    cluster = Cluster(tmp)
+    try:
+        cluster.start("encoder")
+        cluster.start("decode", env=decode_env)
+        cluster.wait_healthy()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def _health_ok(base: str) -> bool:
     try:
         return httpx.get(f"{base}/health", timeout=1, trust_env=False).status_code == 200

@@ -19,7 +19,7 @@ import uuid
 import grpc
 import torch
 import pytest
-from cluster import Cluster
+from cluster import encoder_and_decode
 from demo_jobs import demo_processor, make_job
 
 from cache.keys import image_content_key
@@ -41,14 +41,8 @@ def processor():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("colocated-encode"))
-    try:
-        cluster.start("encoder")
-        cluster.start("decode", env=LONG_LEASES)
-        cluster.wait_healthy()
+    with encoder_and_decode(tmp_path_factory.mktemp("colocated-encode"), LONG_LEASES) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def start_gateway(stack, max_ms: float) -> tuple[Orchestrator, LeakCheck]:

@@ -13,7 +13,7 @@ import uuid
 
 import grpc
 import pytest
-from cluster import Cluster
+from cluster import encoder_and_decode
 from demo_jobs import demo_processor, make_job, run
 
 from cache.keys import image_content_key
@@ -34,14 +34,8 @@ def processor():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("reserve-in-generate"))
-    try:
-        cluster.start("encoder")
-        cluster.start("decode", env=LONG_LEASES)
-        cluster.wait_healthy()
+    with encoder_and_decode(tmp_path_factory.mktemp("reserve-in-generate"), LONG_LEASES) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def self_reserving_generate(stack, processor, seed: int, *, max_tokens: int = 8, colocated: bool = True):
