@@ -137,12 +137,22 @@ def image_content_key_from_bytes(data: bytes, model_fingerprint: str, preprocess
 
     Raises ``ValueError`` when ``data`` is not an image Pillow can decode.
     """
+    image, key = decode_with_key(data, model_fingerprint, preprocess_digest, cache_salt, layout_variant)
+    image.close()
+    return key
+
+
+def decode_with_key(data: bytes, model_fingerprint: str, preprocess_digest: str, cache_salt: str = "",
+                    layout_variant: str = "") -> tuple[Image.Image, str]:
+    """The image file ``data`` as decoded (loaded, not converted) and its ``image_content_key``: what a
+    stage that encodes from bytes checks a ref's key against. ``ValueError`` when ``data`` is not an
+    image Pillow can decode (a decompression bomb included)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return image_content_key(image, model_fingerprint, preprocess_digest, cache_salt, layout_variant)
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ValueError(f"not a decodable image: {exc}") from exc
+    return image, image_content_key(image, model_fingerprint, preprocess_digest, cache_salt, layout_variant)
 
 
 def _reject(value: object) -> object:

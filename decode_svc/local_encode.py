@@ -19,14 +19,13 @@ gives them ``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from collections.abc import Sequence
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from cache.embedding_fetch import EmbeddingFetcher, UnknownEncoderError
-from cache.keys import image_content_key, preprocess_digest
+from cache.keys import decode_with_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.model.errors import AdapterInputError
 from runtime.model.families import ImageEmbedding
@@ -85,12 +84,10 @@ class LocalEncoder:
     def _image(self, ref: pb.ImageRef) -> Image.Image:
         """The ref's image as decoded, once its content key is the ref's."""
         try:
-            image = Image.open(io.BytesIO(ref.image_data))
-            image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise LocalImageError(f"image {ref.cache_key[:12]}: not a decodable image: {exc}") from exc
-        key = image_content_key(image, self.adapter.model_fingerprint, self.digest, ref.cache_salt,
-                                ref.layout_variant)
+            image, key = decode_with_key(ref.image_data, self.adapter.model_fingerprint, self.digest, ref.cache_salt,
+                                         ref.layout_variant)
+        except ValueError as exc:
+            raise LocalImageError(f"image {ref.cache_key[:12]}: {exc}") from exc
         if key != ref.cache_key:
             raise LocalImageError(f"image {ref.cache_key[:12]}: cache key does not match the image content")
         return image

@@ -34,15 +34,14 @@ replicas when the cache is Redis).
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
 import grpc
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from cache.encoder_cache import EncoderCache, check_key, tensor_nbytes
-from cache.keys import image_content_key, preprocess_digest
+from cache.keys import decode_with_key, preprocess_digest
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.model.errors import InvalidImage
@@ -69,18 +68,13 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.stored = 0          # embeddings decode workers computed and handed here (``Store``)
         self.stall_s = stall_ms / 1000   # fault injection (``stall_encoder_ms``): every Encode waits first
 
-    def key_for(self, image: Image.Image, cache_salt: str = "", layout_variant: str = "") -> str:
-        return image_content_key(image, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt,
-                                 layout_variant)
-
     def _decode_image(self, data: bytes, cache_salt: str, layout_variant: str) -> tuple[Image.Image, str]:
         """The validated RGB image and its content key (hashed as decoded, before any conversion)."""
         try:
-            image = Image.open(io.BytesIO(data))
-            image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise InvalidImage(f"not a decodable image: {exc}") from exc
-        key = self.key_for(image, cache_salt, layout_variant)
+            image, key = decode_with_key(data, self.adapter.model_fingerprint, self.preprocess_digest, cache_salt,
+                                         layout_variant)
+        except ValueError as exc:
+            raise InvalidImage(str(exc)) from exc
         return self.adapter.validate_image(image), key
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
