@@ -44,6 +44,7 @@ from pydantic import ValidationError
 
 from runtime.model.grammar import GrammarError
 
+from . import offload
 from .auth import effective_cache_salt, request_tenant
 from .chat_replies import BREAKDOWN_HEADER, ChatReplies  # noqa: F401 (BREAKDOWN_HEADER: read from here too)
 from .chat_backend import AdmissionRefused, ChatBackend, ChatJob, PreparedImage, TokenEvent
@@ -57,7 +58,7 @@ from .logprobs import LogprobFormatter
 from .loop_lag import LoopLagMonitor
 from .http_metrics import HttpMetrics
 from .openai_schema import ChatCompletionRequest, ImagePart
-from .prompt import BuiltPrompt, PromptBuilder
+from .prompt import BuiltPrompt, PromptBuilder, message_texts
 from .request_journal import RequestJournal, RequestRecord
 from .sampling_fields import sampling_problem
 from .settings import GatewaySettings
@@ -181,7 +182,8 @@ class ChatHandler(ChatReplies):
                         plan: OutputPlan = OutputPlan()) -> ChatJob:
         ttft_slo_ms = self.slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         itl_slo_ms = self.slo(request, ITL_HEADER, self.settings.itl_slo_ms)
-        await asyncio.to_thread(self.prompts.check_fits, chat.messages)   # a prompt that cannot fit loads no image
+        # a prompt that cannot fit loads no image
+        await offload.run(offload.small_text(message_texts(chat.messages)), self.prompts.check_fits, chat.messages)
         images = await self.load_images(chat)
         prompt = await self.build_prompt(chat, images, plan.tools)
         token_ids = prompt.token_ids
@@ -284,12 +286,14 @@ class ChatHandler(ChatReplies):
 
     async def build_prompt(self, chat: ChatCompletionRequest, images: list[PreparedImage],
                            tools: list[dict[str, Any]] | None = None) -> BuiltPrompt:
-        """Token ids (and images' grids, rope delta), built in a worker thread; at most ``prompt_workers``
-        builds run at once. A slot is held until its thread ends, even when the request is cancelled
-        meanwhile (a thread cannot be)."""
+        """Token ids (and images' grids, rope delta): here when the build is small (``cheap_build``), else in a
+        worker thread; at most ``prompt_workers`` threaded builds run at once. A slot is held until its
+        thread ends, even when the request is cancelled meanwhile (a thread cannot be)."""
+        pictures = [im.image for im in images]
+        if self.prompts.cheap_build(chat.messages, pictures, tools):
+            return self.prompts.build_prompt(chat.messages, pictures, tools)
         async with self._prompt_slots:
-            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build_prompt, chat.messages,
-                                                            [im.image for im in images], tools))
+            build = asyncio.ensure_future(asyncio.to_thread(self.prompts.build_prompt, chat.messages, pictures, tools))
             try:
                 return await asyncio.shield(build)
             except asyncio.CancelledError:

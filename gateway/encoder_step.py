@@ -23,7 +23,6 @@ request learns about cached images only within its own salt, never another tenan
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from cache.keys import image_content_key
 from proto.epd.v1 import epd_pb2 as pb
 from runtime.policy.cost_model import CostModel
 
+from . import offload
 from . import pipeline_metrics as m
 from .chat_backend import AdmissionRefused, BackendFailure, ChatJob
 from .seen_images import SeenImages
@@ -94,8 +94,9 @@ class EncoderStep:
         encoder = min(encoders, key=lambda h: h.stats.queue_depth + h.inflight)
         fp, digest, salt = encoder.stats.model_fingerprint, encoder.stats.preprocess_digest, job.cache_salt
         variants = job.image_variants if len(job.image_variants) == len(job.images) else [""] * len(job.images)
-        keys = await asyncio.to_thread(lambda: [image_content_key(im.image, fp, digest, salt, v)
-                                                for im, v in zip(job.images, variants)])
+        keys = await offload.run(offload.small_images(im.image.size for im in job.images),
+                                 lambda: [image_content_key(im.image, fp, digest, salt, v)
+                                          for im, v in zip(job.images, variants)])
         checked = [self.seen_images.seen(k) for k in keys]
         found = await self.rpc.cached(encoder, [k for k, c in zip(keys, checked) if c])
         for k, c in zip(keys, checked):

@@ -11,10 +11,11 @@ Order of checks for one image (each failure is a 400 with ``param`` naming the p
    count are held to ``max_image_bytes``, the whole fetch (redirects included)
    to ``remote_image_timeout_s``.
 2. base64 decoded strictly (malformed input is refused, not skipped).
-3. Header only (``Image.open`` is lazy): the format must be PNG, JPEG or WebP
+3. Header only (``read_header``; ``Image.open`` is lazy): the format must be PNG, JPEG or WebP
    and width x height within ``max_image_pixels`` and ``max_image_side`` —
    a decompression bomb is refused here, before a single pixel is decoded.
-4. Full decode (in a worker thread); truncated or corrupt data is refused.
+4. Full decode (``decode_pixels``: on the event loop for a small image, else in a worker
+   thread, see ``gateway.offload``); truncated or corrupt data is refused.
 
 The decoded image is returned as decoded (not converted to RGB): encoder-cache
 keys hash the picture exactly as decoded from the bytes (see ``cache.keys``).
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import httpx
 from PIL import Image, UnidentifiedImageError
 
+from . import offload
 from .chat_backend import PreparedImage
 from .errors import ApiError
 from .media_policy import GuardedTransport, MediaNetwork, MediaUrlPolicy, MediaUrlRefused
@@ -164,8 +166,9 @@ class RemoteImageFetcher:
 
 
 # -- pixels -----------------------------------------------------------------------
-def open_image(data: bytes, limits: ImageLimits, param: str | None = None) -> Image.Image:
-    """Check the header, then decode; raises a 400 ``ApiError`` for anything that is not a usable image."""
+def read_header(data: bytes, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    """The image, its header checked and nothing decoded yet; a 400 ``ApiError`` for anything that is not a
+    usable image. Cheap at any size (Pillow reads the header only)."""
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only; Pillow's own bomb check may refuse here
     except Image.DecompressionBombError:
@@ -186,11 +189,21 @@ def open_image(data: bytes, limits: ImageLimits, param: str | None = None) -> Im
         )
     if image.mode not in ACCEPTED_MODES:
         raise _bad(f"image mode {image.mode} is not supported", param, "invalid_image")
+    return image
+
+
+def decode_pixels(image: Image.Image, param: str | None = None) -> Image.Image:
+    """``image`` (from ``read_header``) with its pixels decoded; a 400 ``ApiError`` when they are corrupt."""
     try:
         image.load()
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError):
         raise _bad("image data is corrupt or truncated", param, "invalid_image") from None
     return image
+
+
+def open_image(data: bytes, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    """Check the header, then decode; raises a 400 ``ApiError`` for anything that is not a usable image."""
+    return decode_pixels(read_header(data, limits, param), param)
 
 
 class ImageLoader:
@@ -212,5 +225,6 @@ class ImageLoader:
 
     async def load(self, url: str, param: str | None = None) -> PreparedImage:
         data = await self.load_bytes(url, param)
-        image = await asyncio.to_thread(open_image, data, self.limits, param)
+        image = read_header(data, self.limits, param)
+        image = await offload.run(offload.small_images([image.size]), decode_pixels, image, param)
         return PreparedImage(data=data, image=image)

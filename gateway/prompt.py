@@ -65,6 +65,7 @@ from runtime.model import families, grammar, supported_models
 from runtime.model.families import ModelFamily
 from runtime.model.families.base import placeholder_runs
 
+from . import offload
 from .errors import ApiError
 from .openai_schema import ChatMessage, ImagePart, TextPart
 from .processor_pool import ProcessorPool
@@ -269,13 +270,25 @@ class PromptBuilder:
 
     def build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image],
               tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids for ``messages``; CPU-bound, call it off the event loop. Thread-safe: concurrent
-        builds run in parallel, each on its own processor copy."""
+        """Token ids for ``messages``; CPU-bound, call it off the event loop unless ``cheap_build`` says it is
+        small. Thread-safe: concurrent builds run in parallel, each on its own processor copy."""
         self.check_fits(messages)
         with self._processors.lease() as processor:
             prompt = self.render(messages, processor, tools)
             self._refuse_unless_fits(self.floor.tokens_at_least([prompt]), "the rendered prompt")
             return self.tokenize(prompt, images, processor)
+
+    def cheap_build(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image],
+                    tools: Sequence[dict[str, Any]] | None = None) -> bool:
+        """Whether ``build_prompt`` of these is small work (``gateway.offload``): short text, no tools, and
+        every image's placeholder count already learnt (no processor run over its pixels)."""
+        if tools or not offload.small_text(message_texts(messages)):
+            return False
+        if not images:
+            return True
+        variants = self.image_variants(len(images))
+        with self._learnt_lock:
+            return self._shortcut_ok and all((im.size, v) in self._tokens_per_size for im, v in zip(images, variants))
 
     def build_prompt(self, messages: Sequence[ChatMessage], images: Sequence[Image.Image],
                      tools: Sequence[dict[str, Any]] | None = None) -> BuiltPrompt:
@@ -383,6 +396,11 @@ def _arguments(text: str, param: str) -> Any:
     except ValueError:
         raise ApiError.bad_request("tool call arguments must be JSON text", param + ".function.arguments",
                                    "invalid_value") from None
+
+
+def message_texts(messages: Sequence[ChatMessage]) -> list[str]:
+    """Every text part of ``messages``, in order."""
+    return [text for m in messages for text in _texts(m)]
 
 
 def _texts(message: ChatMessage) -> list[str]:

@@ -15,11 +15,13 @@ import asyncio
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from . import offload
 from .chat_handler import ChatHandler
 from .http_io import read_json_object
 from .completions_schema import DetokenizeRequest, DetokenizeResponse, TokenizeMessages, TokenizePrompt, TokenizeResponse
 from .errors import ApiError, from_validation_error
 from .openai_schema import ChatCompletionRequest
+from .prompt import message_texts
 
 
 def _validated(model: type[BaseModel], document: dict) -> BaseModel:
@@ -50,7 +52,7 @@ class TokenizeHandler:
             chat = _validated(ChatCompletionRequest, {"model": self.chat.settings.served_model_name,
                                                       "messages": document["messages"]})
             self.chat.check(chat)
-            await asyncio.to_thread(prompts.check_fits, chat.messages)
+            await offload.run(offload.small_text(message_texts(chat.messages)), prompts.check_fits, chat.messages)
             images = await self.chat.load_images(chat)
             ids = (await self.chat.build_prompt(chat, images)).token_ids
         else:

@@ -26,6 +26,7 @@ from inprocess_backend import (
     shape,
 )
 
+from gateway import offload
 from gateway.app import create_app
 from gateway.chat_backend import AdmissionRefused
 from gateway.detokenize import IncrementalDetokenizer
@@ -475,7 +476,13 @@ def _meeting_prompts(prompts: PromptBuilder, parties: int) -> tuple[PromptBuilde
     return PromptBuilder(proc, prompts.context_length), seen
 
 
-async def test_prompt_builds_of_concurrent_requests_overlap(backend, prompts):
+@pytest.fixture
+def threaded_builds(monkeypatch):
+    """Every prompt build goes to a thread, as a long prompt's does (a short one runs on the loop: gateway.offload)."""
+    monkeypatch.setattr(offload, "INLINE_MAX_TEXT_CHARS", 0)
+
+
+async def test_prompt_builds_of_concurrent_requests_overlap(backend, prompts, threaded_builds):
     meeting, seen = _meeting_prompts(prompts, parties=2)
     async with serve(backend, meeting, prompt_workers=2) as client:
         replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(text_messages(), max_tokens=2))
@@ -484,7 +491,7 @@ async def test_prompt_builds_of_concurrent_requests_overlap(backend, prompts):
     assert seen["peak"] == 2
 
 
-async def test_prompt_workers_bounds_the_builds_in_flight(backend, prompts):
+async def test_prompt_workers_bounds_the_builds_in_flight(backend, prompts, threaded_builds):
     single, seen = _meeting_prompts(prompts, parties=1)
     async with serve(backend, single, prompt_workers=1) as client:
         replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(text_messages(), max_tokens=2))
