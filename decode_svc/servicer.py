@@ -131,7 +131,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                                          on_retire=self._on_retire, timings=self.timings,
                                          step_delay_s=self.faults.amount("delay_step_ms") / 1000)
         self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel,
-                                  adapter.linear_kernel)
+                                  adapter.linear_kernel, adapter.device.type)
         self._boot = uuid.uuid4().hex[:12]   # a restarted worker's summary is a new one (its cache is gone)
         self.bulk_address = ""      # set when the bulk KV path is listening (server.py)
         self._reaper: asyncio.Task | None = None

@@ -62,7 +62,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self.batcher = batcher
         self.preprocess_digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.state = ServingState("encoder", batcher.timings, adapter.model_fingerprint,
-                                  linear_kernel=adapter.linear_kernel)
+                                  linear_kernel=adapter.linear_kernel, device_type=adapter.device.type)
         self.in_flight = 0
         self.cache_hits = 0      # client images (bytes sent) that did not need encoding
         self.stored = 0          # embeddings decode workers computed and handed here (``Store``)

@@ -54,6 +54,7 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
         ring_groups=stats.ring_groups if decode else 0, ring_blocks=stats.ring_blocks if decode else 0,
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),
         cached_prefix_tokens=cached_prefix_tokens if decode else 0, cached_images=cached_images if decode else 0,
+        host_id=stats.host_id, cpus=tuple(stats.cpus), cpus_busy=stats.cpus_busy,
     )
 
 

@@ -58,7 +58,8 @@ class WorkerHandle:
         s = self.stats
         out: dict = {"address": self.address, "healthy": self.healthy, "inflight_from_gateway": self.inflight}
         if s is not None:
-            out.update(queue_depth=s.queue_depth, in_flight=s.in_flight, linear_kernel=s.linear_kernel)
+            out.update(queue_depth=s.queue_depth, in_flight=s.in_flight, linear_kernel=s.linear_kernel,
+                       cpus=list(s.cpus), cpus_busy=round(s.cpus_busy, 3))
             if self.role == "decode":
                 out.update(reservations_active=s.reservations_active, pending_chunks=s.pending_chunks,
                            free_blocks=s.free_blocks, total_blocks=s.total_blocks, running_seqs=s.running_seqs,

@@ -52,7 +52,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.default_chunk_tokens = default_chunk_tokens
         self.faults = faults
         self.state = ServingState("prefill", scheduler.timings, adapter.model_fingerprint, adapter.attention_kernel,
-                                  adapter.linear_kernel)
+                                  adapter.linear_kernel, adapter.device.type)
         self.in_flight = 0
         self._token = token
         self.decodes = DecodeLinks(fetcher.peers, token)   # borrows the fetcher's peer directory

@@ -50,6 +50,7 @@ from sim.server_pool import Hook, Server
 
 Done = Callable[[float, Any], None]
 BACKGROUND_PIECE_MS = 1.0  # mean size of a piece of other work (about a scheduler slice; 1-3 ms predict alike)
+BUSY_WINDOW_MS = 500.0  # the gateway's Stats poll (WorkerRegistry.poll_s): the window cpus_busy covers
 
 
 def ignore(t: float, arg: Any) -> None:
@@ -59,7 +60,8 @@ def ignore(t: float, arg: Any) -> None:
 
 class HostCpu:
     __slots__ = ("cores", "background", "_events", "_running", "_waits", "_last", "_wait_speed", "_version",
-                 "stretch_ms", "pieces", "work_ms", "_active", "_rng", "_generating")
+                 "stretch_ms", "pieces", "work_ms", "_active", "_rng", "_generating", "_in_use", "_busy_core_ms",
+                 "_mark", "_busy")
 
     def __init__(self, cores: int, events: EventQueue, background: float = 0.0,
                  active: Callable[[], bool] = lambda: False, seed: int = 0) -> None:
@@ -79,6 +81,20 @@ class HostCpu:
         self.stretch_ms = 0.0  # summed over finished pieces: time taken less work
         self.pieces = 0
         self.work_ms = 0.0  # the stack's work done (idle ms), other work not counted
+        self._in_use = 0.0  # cores busy now: min(cores, running entities)
+        self._busy_core_ms = 0.0  # core-ms busy up to ``_last`` (the stack's work and other work)
+        self._mark = (0.0, 0.0)  # (time, busy core-ms then) of the last ``busy_share`` window
+        self._busy = -1.0
+
+    def busy_share(self, now: float) -> float:
+        """The share of the cores' time busy over the last window of at least ``BUSY_WINDOW_MS``
+        (what a worker's ``Stats`` reports as ``cpus_busy`` at the gateway's poll); -1 before the first."""
+        busy = self._busy_core_ms + (now - self._last) * self._in_use
+        t0, b0 = self._mark
+        if now - t0 >= BUSY_WINDOW_MS:
+            self._busy = min(1.0, (busy - b0) / (self.cores * (now - t0)))
+            self._mark = (now, busy)
+        return self._busy
 
     def run(self, now: float, work_ms: float, done: Done, arg: Any = None, group: Any = None) -> None:
         """Start a piece of ``work_ms`` now; ``done(t, arg)`` runs when it is finished. Pieces with
@@ -113,6 +129,7 @@ class HostCpu:
     def _advance(self, now: float) -> None:
         elapsed = now - self._last
         if elapsed > 0.0:
+            self._busy_core_ms += elapsed * self._in_use
             for piece in self._running:
                 piece[0] -= elapsed * piece[6]
             if self._waits:
@@ -134,6 +151,7 @@ class HostCpu:
                 entities += k == 0
                 per_group[group] = k + 1
         share = min(1.0, self.cores / entities) if entities else 1.0
+        self._in_use = float(min(self.cores, entities))
         self._wait_speed = min(1.0, self.cores / (entities + 1))
         first = math.inf
         for piece in self._running:

@@ -21,7 +21,10 @@ simulator's ground truth); the policy's ``CostModel`` starts from the same numbe
 
 ``hop_ms`` (the hand-offs between processes that are no stage's work) delays each request
 as it arrives. With ``host_cores`` N > 0 every stage's work shares N cores
-(``sim.shared_host``); with 0 (the default) each worker has its own processor.
+(``sim.shared_host``); with 0 (the default) each worker has its own processor. On a shared
+host every worker reports the same machine, all N cores and their busy share over the last
+poll window (``HostCpu.busy_share``), so the policy sees each prefill worker on the decode
+workers' cores, as the gateway does on a real host.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from sim.request import SimRequest
 from sim.server_pool import Hook, Server, ServerPool
 from sim.shared_host import HostCpu, SharedDecodeWorker, SharedServer
 from sim.workload import Arrival, Workload
+
+SIM_HOST = "sim-host"   # the host_id every worker of a shared-host simulation reports
 
 
 @dataclass(slots=True)
@@ -216,6 +221,10 @@ class Simulator:
         reports = [w.report() for w in self.decode]
         reports += [s.report(now) for s in self.prefill.servers]
         reports += [s.report(now) for s in self.encoders.servers]
+        if self.cpu is not None:   # one shared host: every worker computes on all its cores, as they report it
+            busy, cpus = self.cpu.busy_share(now), tuple(range(self.cpu.cores))
+            for r in reports:
+                r.host_id, r.cpus, r.cpus_busy = SIM_HOST, cpus, busy
         return StatsSnapshot(tuple(reports), self.kv_transfers, self.kv_bytes)
 
     def loads(self, req: SimRequest, now: float, *, own_transfer: bool = False) -> StageLoads:

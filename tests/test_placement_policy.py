@@ -301,3 +301,31 @@ def test_a_retry_costs_a_step_of_the_failed_workers_batch() -> None:
     service = CostModel(CM.service_times().replace(decode_step_ms_per_seq=1.0))
     action = on_transfer_failure(10_000.0, 1, LONG, service, state, "d0")
     assert action.cost_ms == pytest.approx(service.transfer_ms(service.kv_bytes(6000)) + service.decode_step_ms(21))
+
+
+# ---- a prefill worker on the decode worker's own cores --------------------------------
+
+
+def test_a_prefill_worker_on_the_decode_workers_busy_cores_waits_out_its_queue() -> None:
+    # a short prompt, the decode worker's colocated queue 100 ms deep: apart, remote is sooner
+    queued = busy(running=4, queue_wait_ms=100.0)
+    apart = choose_placement(SHORT, loads(queued, prefill=(PrefillWorkerLoad("p0"),)), CM, "conditional", 2000.0, 150.0)
+    assert apart is not None and (apart.placement, apart.reason) == ("disaggregated", "local_queue_slower")
+    # the same prefill worker on the decode worker's saturated cores: its prompt takes what that queue needs
+    saturated = PrefillWorkerLoad("p0", shared_cores=(("d0", 1.0),))
+    same = choose_placement(SHORT, loads(queued, prefill=(saturated,)), CM, "conditional", 2000.0, 150.0)
+    assert same is not None and (same.placement, same.reason) == ("colocated", "short_prompt_low_load")
+    assert same.estimates["remote_ttft_ms"] == pytest.approx(apart.estimates["remote_ttft_ms"] + 100.0)
+    # on shared cores that sit half idle, half the queue; on idle ones, none
+    half = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.5),)), queued)["remote_ttft_ms"]
+    assert half == pytest.approx(apart.estimates["remote_ttft_ms"] + 50.0)
+    idle = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.0),)), queued)["remote_ttft_ms"]
+    assert idle == pytest.approx(apart.estimates["remote_ttft_ms"])
+
+
+def test_shared_cores_count_only_for_the_decode_worker_they_are_shared_with() -> None:
+    queued = busy("d0", running=4, queue_wait_ms=100.0)
+    other = busy("d1", running=4, queue_wait_ms=100.0)
+    p = PrefillWorkerLoad("p0", shared_cores=(("d0", 1.0),))
+    decision = choose_placement(SHORT, loads(queued, other, prefill=(p,)), CM, "disaggregated", 2000.0, 150.0)
+    assert decision is not None and decision.decode_worker == "d1"   # d1's cores are not the prompt's

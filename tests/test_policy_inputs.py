@@ -286,3 +286,25 @@ def test_a_decode_worker_that_serves_the_least_remaining_prompt_first_is_priced_
     assert StatsSnapshot.from_dict(json.loads(json.dumps(snap.to_dict()))) == snap
     with pytest.raises(ValueError):
         WorkerReport(Role.DECODE, "d", queued_prompts=(-1,))
+
+
+def test_a_prefill_worker_shares_cores_with_the_decode_workers_it_overlaps_on_one_machine() -> None:
+    def decode(name: str, host: str, cpus: tuple[int, ...], busy: float = -1.0) -> WorkerReport:
+        return WorkerReport(Role.DECODE, name, host_id=host, cpus=cpus, cpus_busy=busy)
+
+    prefill = WorkerReport(Role.PREFILL, "p", host_id="h1", cpus=(0, 1), cpus_busy=0.4)
+    workers = (prefill, decode("same", "h1", (1,), 0.9), decode("apart", "h1", (2, 3), 1.0),
+               decode("other-host", "h2", (0, 1), 1.0), decode("unmeasured", "h1", (0,)))
+    loads = stage_loads(StatsSnapshot(workers), RequestShape(10, 1), CM)
+    # the busier report of the two counts; not measured yet by either side: 0 (as if apart)
+    assert loads.prefill[0].shared_cores == (("same", 0.9), ("unmeasured", 0.4))
+    unknown = stage_loads(StatsSnapshot((WorkerReport(Role.PREFILL, "p", cpus=(0,)),
+                                         WorkerReport(Role.DECODE, "d", cpus=(0,), cpus_busy=1.0))),
+                          RequestShape(10, 1), CM)
+    assert unknown.prefill[0].shared_cores == ()   # no machine named: nothing judged shared
+
+
+def test_the_gateway_reads_where_a_worker_computes_from_its_stats() -> None:
+    stats = pb.WorkerStats(role="prefill", address="p:1", host_id="boot-1", cpus=[0, 1], cpus_busy=0.75)
+    report = worker_report("prefill", "p:1", stats, 0)
+    assert (report.host_id, report.cpus, report.cpus_busy) == ("boot-1", (0, 1), 0.75)

@@ -118,6 +118,11 @@ def test_each_model_worker_runs_on_cores_of_its_own(served):
         assert len(threads) > 1 and all(cores == expected for cores in threads.values()), (role, threads)
     if len(cpus) >= 2:
         assert planned["decode"] == [cpus[0]] and planned["encoder"] == [cpus[1]]
+    # ... and each worker's Stats report those cores, which the gateway's placement reads (shared cores)
+    status = httpx.get(f"{served[1]}/status").json()
+    for role in ("decode", "encoder", "prefill"):
+        (worker,) = status[role]
+        assert worker["cpus"] == sorted(planned.get(role) or cpus) and -1.0 <= worker["cpus_busy"] <= 1.0
 
 
 def test_ctrl_c_leaves_no_process(served):

@@ -424,6 +424,34 @@ def test_host_cpu_shares_its_cores_between_running_pieces() -> None:
         HostCpu(1, ev, background=-1.0)
 
 
+def test_a_shared_host_reports_its_busy_share_over_the_polls_window() -> None:
+    from sim.events import EventQueue
+    from sim.shared_host import BUSY_WINDOW_MS, HostCpu
+
+    ev, seen = EventQueue(), {}
+    cpu = HostCpu(2, ev)
+    assert cpu.busy_share(0.0) == -1.0                       # no window yet
+    cpu.run(0.0, 2 * BUSY_WINDOW_MS, lambda t, a: None)       # one of two cores busy until 1000 ms
+    for t in (BUSY_WINDOW_MS, BUSY_WINDOW_MS + 1.0, 2.5 * BUSY_WINDOW_MS, 4 * BUSY_WINDOW_MS):
+        ev.at(t, lambda now, _: seen.setdefault(now, cpu.busy_share(now)))
+    ev.run()
+    assert seen[BUSY_WINDOW_MS] == pytest.approx(0.5)
+    assert seen[BUSY_WINDOW_MS + 1.0] == pytest.approx(0.5)          # within the window: the last value
+    assert seen[2.5 * BUSY_WINDOW_MS] == pytest.approx(500 / (2 * 750))   # 500-1250 ms: one core busy 500 ms
+    assert seen[4 * BUSY_WINDOW_MS] == pytest.approx(0.0)            # idle since
+
+
+def test_every_worker_of_a_shared_host_simulation_reports_the_host_as_a_real_one_does() -> None:
+    sim = Simulator(SimConfig(placement="conditional", prefill_workers=1, decode_workers=1,
+                              service=ServiceTimes(host_cores=2)), Workload(trace=((0.0, 10, 1, 0, 0),)))
+    snap = sim.snapshot(600.0)
+    assert {(r.host_id, r.cpus) for r in snap.workers} == {("sim-host", (0, 1))}
+    assert all(0.0 <= r.cpus_busy <= 1.0 for r in snap.workers)
+    own = Simulator(SimConfig(placement="conditional", prefill_workers=1, decode_workers=1),
+                    Workload(trace=((0.0, 10, 1, 0, 0),)))
+    assert {(r.host_id, r.cpus) for r in own.snapshot(600.0).workers} == {("", ())}   # a processor each: nothing shared
+
+
 def _host(cores: int, **service: float) -> ServiceTimes:
     return ServiceTimes(host_cores=cores, **service)
 

@@ -46,6 +46,9 @@ class EncoderLoad:
 class PrefillWorkerLoad:
     address: str
     queue_wait_ms: float = 0.0  # until this worker could start a new prompt
+    # decode workers whose cores this one computes on, each with how busy those cores are (0-1):
+    # a prompt here competes with that worker's queued work (runtime/policy/placement_policy.py)
+    shared_cores: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)

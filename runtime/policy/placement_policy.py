@@ -15,7 +15,12 @@ Placements:
 - ``disaggregated`` (remote): prefill on P, KV over the link P -> X (after prefill,
   or chunk by chunk so the transfer overlaps prefill), then one decode step on X
   before the first token. TTFT = P's queue + prefill + transfer (behind the link's
-  queue) + X's slot wait + one step.
+  queue) + X's slot wait + one step. When P computes on X's own cores (one machine, overlapping
+  CPUs: ``PrefillWorkerLoad.shared_cores``), P's prompt does not run beside X's queued work but
+  takes the cores that work needs, so the remote TTFT also waits out X's queued local work, in
+  the share those cores are busy (all of it on saturated cores; none on idle ones). On two
+  cores at 16 concurrent demo requests, remote placements chosen without this ("local queue
+  slower") cost 17-20% of the throughput that colocating them gives (bench/RESULTS.md).
 - ``conditional``: per request, the option that harms fewer requests' SLOs, then
   the cheaper one. Harm ("damage") counts this request if its TTFT estimate
   misses the deadline, plus, for colocated, every running neighbour whose next
@@ -288,16 +293,22 @@ def _best_remote(
     """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT.
 
     A landed sequence is inserted once a slot is reserved, at the next step boundary (it
-    does not wait for the worker's local prefill queue); then one step makes its first token.
+    does not wait for the worker's local prefill queue, except on cores shared with the
+    prefill worker, where the prompt itself waits it out in the share they are busy); then one
+    step makes its first token.
     """
     prefill, soonest = prefill_workers[0], math.inf
     for p in prefill_workers if len(prefill_workers) > 1 else ():  # one worker is the soonest
         if p.queue_wait_ms < soonest:  # every one prefills the prompt in the same time
             prefill, soonest = p, p.queue_wait_ms
     landed, transfer = _remote_landed(shape, prefill, link, cm, transfer_chunk_tokens, encode_ms, prompt_prefill_ms)
+    shared = dict(prefill.shared_cores)
     best_w, best_ttft = None, 0.0
     for w in decode:
         at = landed
+        busy = shared.get(w.address)
+        if busy:   # P's prompt takes the cores w's queued local work needs (see the module docstring)
+            at += busy * w.queue_wait_ms
         if w.free_slots < shape.choices and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)

@@ -26,7 +26,11 @@ decision. Every estimate made here uses only these fields and the cost model:
   holds as cached KV (the gateway reads it from the worker's reported summary,
   ``gateway/prefix_routing.py``; the simulator has no prefix cache and reports 0) and
   ``cached_images``, the images wholly inside that prefix: a colocated prefill there runs
-  only the rest and skips encoding those images.
+  only the rest and skips encoding those images;
+- shared cores: a prefill worker whose ``cpus`` overlap a decode worker's on the same machine
+  (``host_id``; ``runtime/worker/host_cpu.py``) computes on that worker's cores, so its load names
+  that decode worker with how busy the shared cores were (the larger of the two reports, 0 when
+  neither has measured yet); workers that report no machine or no cores share nothing.
 """
 
 from __future__ import annotations
@@ -72,10 +76,14 @@ class WorkerReport:
     in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
     cached_prefix_tokens: int = 0  # decode: of this request's prompt, held there as cached KV
     cached_images: int = 0  # decode: this request's images wholly inside that cached prefix
+    host_id: str = ""  # the machine (its boot id); "" = unknown
+    cpus: tuple[int, ...] = ()  # the CPUs its model computes on (empty: a GPU worker, or unknown)
+    cpus_busy: float = -1.0  # their busy share since the worker's previous report (0-1; -1 = unknown)
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
         self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
+        self.cpus = tuple(self.cpus)
         if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.max_batch, self.in_flight,
                self.cached_prefix_tokens, self.cached_images, *self.queued_prompts) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
@@ -117,12 +125,19 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> 
         if w.role is Role.DECODE:
             decode.append(decode_load(w, shape, cm))
         elif w.role is Role.PREFILL:
-            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending)))
+            shared = tuple((d.address, max(0.0, w.cpus_busy, d.cpus_busy)) for d in snapshot.workers
+                           if d.role is Role.DECODE and shares_cores(w, d))
+            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending), shared))
         elif encoder_queue is None or pending < encoder_queue:
             encoder_queue = pending
     encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
     link = LinkLoad(snapshot.kv_transfers, snapshot.kv_bytes) if snapshot.kv_transfers else LinkLoad()
     return StageLoads(tuple(decode), tuple(prefill), link, encoder)
+
+
+def shares_cores(a: WorkerReport, b: WorkerReport) -> bool:
+    """Whether ``a`` and ``b`` compute on some of the same CPUs of one machine."""
+    return bool(a.host_id) and a.host_id == b.host_id and not set(a.cpus).isdisjoint(b.cpus)
 
 
 def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWorkerLoad:

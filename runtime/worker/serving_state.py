@@ -5,7 +5,8 @@ sets ``address`` once the gRPC server is bound and, on SIGTERM, calls ``drain``:
 then on ``serving`` is False (the servicer refuses new work and ``Stats`` says so) and
 the drain waits until the servicer's ``busy()`` is falsy or the timeout passes. Every
 ``Stats`` reply starts from ``stats``: the same identity fields and timing samples for
-every role, plus the role's own gauges.
+every role, where it computes (``runtime/worker/host_cpu.py``: host, cores and how busy they
+are), plus the role's own gauges.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import time
 from collections.abc import Callable
 
 from proto.epd.v1 import epd_pb2 as pb
+from runtime.worker.host_cpu import HostCpu
 from runtime.worker.timing_log import TimingLog
 
 
 class ServingState:
     def __init__(self, role: str, timings: TimingLog, model_fingerprint: str, attention_kernel: str = "",
-                 linear_kernel: str = ""):
+                 linear_kernel: str = "", device_type: str = "cpu"):
         self.role = role
         self.timings = timings                 # the samples every Stats reply carries (owned by the role's loop)
         self.model_fingerprint = model_fingerprint
@@ -28,6 +30,7 @@ class ServingState:
         self.linear_kernel = linear_kernel        # the kernel the adapter's linear layers run
         self.address = ""                      # set by the runner once the gRPC server is bound
         self.serving = True                    # False from the start of a drain
+        self.host = HostCpu(device_type)       # the cores its model computes on (none on a GPU)
 
     async def drain(self, busy: Callable[[], object], timeout_s: float) -> None:
         """Refuse new work from now; return once ``busy()`` is falsy (accepted work finished) or after ``timeout_s``."""
@@ -42,4 +45,5 @@ class ServingState:
         return pb.WorkerStats(
             role=self.role, address=self.address, serving=self.serving, model_fingerprint=self.model_fingerprint,
             attention_kernel=self.attention_kernel, linear_kernel=self.linear_kernel, samples=[pb.TimingSample(kind=s.kind, size=s.size, ms=s.ms) for s in samples],
-            last_sample=self.timings.last_seq, **gauges)
+            last_sample=self.timings.last_seq, host_id=self.host.host_id, cpus=self.host.cpus,
+            cpus_busy=self.host.busy(), **gauges)

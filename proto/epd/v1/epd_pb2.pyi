@@ -107,7 +107,7 @@ class StatsRequest(_message.Message):
     def __init__(self, since_sample: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel", "cached_blocks", "prefix_cache", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_summary_version", "prefix_summary_sent", "prefix_summary", "free_state_slots", "total_state_slots", "choices_retired_early_total", "ring_groups", "ring_blocks", "linear_kernel", "queued_prompt_tokens")
+    __slots__ = ("role", "address", "serving", "queue_depth", "in_flight", "running_seqs", "free_blocks", "total_blocks", "block_size", "reservations_active", "pending_chunks", "queued_prefill_tokens", "computes", "cache_hits", "samples", "last_sample", "model_fingerprint", "max_batch", "preprocess_digest", "lease_reaped_total", "bulk_address", "single_flight_in_flight", "max_batch_configured", "attention_kernel", "cached_blocks", "prefix_cache", "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_summary_version", "prefix_summary_sent", "prefix_summary", "free_state_slots", "total_state_slots", "choices_retired_early_total", "ring_groups", "ring_blocks", "linear_kernel", "queued_prompt_tokens", "host_id", "cpus", "cpus_busy")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,9 @@ class WorkerStats(_message.Message):
     RING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LINEAR_KERNEL_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    CPUS_BUSY_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     serving: bool
@@ -184,7 +187,10 @@ class WorkerStats(_message.Message):
     ring_blocks: int
     linear_kernel: str
     queued_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ..., prefix_summary_sent: _Optional[bool] = ..., prefix_summary: _Optional[_Iterable[int]] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., choices_retired_early_total: _Optional[int] = ..., ring_groups: _Optional[int] = ..., ring_blocks: _Optional[int] = ..., linear_kernel: _Optional[str] = ..., queued_prompt_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    host_id: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    cpus_busy: float
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., serving: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., running_seqs: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., reservations_active: _Optional[int] = ..., pending_chunks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., computes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[TimingSample, _Mapping]]] = ..., last_sample: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_batch: _Optional[int] = ..., preprocess_digest: _Optional[str] = ..., lease_reaped_total: _Optional[int] = ..., bulk_address: _Optional[str] = ..., single_flight_in_flight: _Optional[int] = ..., max_batch_configured: _Optional[int] = ..., attention_kernel: _Optional[str] = ..., cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries_total: _Optional[int] = ..., prefix_cache_hits_total: _Optional[int] = ..., prefix_summary_version: _Optional[str] = ..., prefix_summary_sent: _Optional[bool] = ..., prefix_summary: _Optional[_Iterable[int]] = ..., free_state_slots: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., choices_retired_early_total: _Optional[int] = ..., ring_groups: _Optional[int] = ..., ring_blocks: _Optional[int] = ..., linear_kernel: _Optional[str] = ..., queued_prompt_tokens: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., cpus_busy: _Optional[float] = ...) -> None: ...
 
 class EncodeImage(_message.Message):
     __slots__ = ("ref", "data")
