@@ -3,6 +3,8 @@
     python -m bench.epd_ab --b-env EPD_COLOCATED_ENCODE_MAX_MS=0 --rounds 6
     python -m bench.epd_ab --a-env EPD_CPU_BIND=none --b-env EPD_CPU_BIND=auto --concurrency 1
     git worktree add /tmp/epd-before HEAD~1 && python -m bench.epd_ab --a-root /tmp/epd-before   # two commits
+    python -m bench.epd_ab --model /tmp/epd-bench-vlm --name bench --concurrency 16 --requests 32 --max-tokens 32 \
+        --long-fraction 0.5 --ttft-slo-ms 20000 --itl-slo-ms 2000 --rounds 4   # compare_servers' bench-long load
 
 Both stacks run this checkout's code on the same model, up together for the whole run, so a
 change of the host between them (other tenants, a faster minute) reaches both. Each round runs
@@ -10,7 +12,7 @@ every concurrency on both stacks, one at a time, the order alternating round by 
 stack goes first is itself worth a few percent on a small host), each after waiting for a
 quiet host; every round has its own seed and every image is new (``image_pool`` = requests), so
 no run is helped by the encoder cache. Reported per concurrency: each stack's median over rounds
-of TTFT p50 and req/s, and in how many rounds B beat A; the worse and better rounds are in the
+of TTFT p50, req/s and ITL p99, and in how many rounds B beat A; the worse and better rounds are in the
 JSON (``results/epd_ab-TAG.json``) with every round's report.
 
 Meant for a change that a setting switches on or off (``EPD_*``, read by every process
@@ -62,6 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", default="128,192", help="requests per run, one per concurrency (or one for all)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="share of requests with a long prompt (bench.compare_servers' bench-long: 0.5)")
+    p.add_argument("--long-prompt-words", type=int, default=400)
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="sent as x-ttft-slo-ms (with --itl-slo-ms) and judged as goodput; default: the gateway's own")
+    p.add_argument("--itl-slo-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--tag", default="", help="results/epd_ab-TAG.json")
     p.add_argument("--logs", type=Path, default=Path("/tmp/epd-ab-logs"))
@@ -83,6 +91,7 @@ def summarize(reports: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for name in STACKS:
         out[name] = {"ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in reports[name]),
                      "req_per_s": statistics.median(r["req_per_s"] for r in reports[name]),
+                     "itl_ms_p99": statistics.median(r["itl_ms_p99"] for r in reports[name]),
                      "failed": sum(r["failed"] for r in reports[name])}
     pairs = list(zip(reports["A"], reports["B"]))
     out["b_lower_ttft_rounds"] = sum(b["ttft_ms_p50"] < a["ttft_ms_p50"] for a, b in pairs)
@@ -97,9 +106,9 @@ def table(summary: dict[int, dict[str, Any]]) -> str:
         rows.append([str(c), fmt(s["A"]["ttft_ms_p50"]), fmt(s["B"]["ttft_ms_p50"]),
                      f"{s['b_lower_ttft_rounds']}/{s['rounds']}", fmt(s["A"]["req_per_s"], 1),
                      fmt(s["B"]["req_per_s"], 1), f"{s['b_more_req_per_s_rounds']}/{s['rounds']}",
-                     str(s["A"]["failed"] + s["B"]["failed"])])
+                     fmt(s["A"]["itl_ms_p99"]), fmt(s["B"]["itl_ms_p99"]), str(s["A"]["failed"] + s["B"]["failed"])])
     return markdown_table(["concurrency", "A TTFT p50 ms", "B TTFT p50 ms", "B lower", "A req/s", "B req/s",
-                           "B more", "failed"], rows)
+                           "B more", "A ITL p99 ms", "B ITL p99 ms", "failed"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in order:
                     wait_quiet(list(procs.values()))
                     run = run_load(bases[name], args.name, requests=n, concurrency=c, image_pool=n,
-                                   max_tokens=args.max_tokens, seed=args.seed + 100 * rnd + c)
+                                   max_tokens=args.max_tokens, seed=args.seed + 100 * rnd + c,
+                                   long_fraction=args.long_fraction, long_prompt_words=args.long_prompt_words,
+                                   ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
                     reports[c][name].append(run.report)
                     print(f"round {rnd} c{c} {name}: TTFT p50 {run.report['ttft_ms_p50']:.2f} ms, "
                           f"{run.report['req_per_s']:.1f} req/s, failed {run.report['failed']}", file=sys.stderr)

@@ -465,4 +465,7 @@ def test_epd_ab_reads_each_stacks_settings_and_counts_the_rounds_b_won():
     assert s["A"]["ttft_ms_p50"] == 11.0 and s["B"]["ttft_ms_p50"] == 10.0
     assert s["A"]["req_per_s"] == 45.0 and s["B"]["req_per_s"] == 46.0
     assert (s["b_lower_ttft_rounds"], s["b_more_req_per_s_rounds"], s["rounds"]) == (2, 2, 3)
+    assert s["A"]["itl_ms_p99"] == s["B"]["itl_ms_p99"] == 10.0
     assert "| 1 " in epd_ab.table({1: s}) and "2/3" in epd_ab.table({1: s})
+    long = epd_ab.parse_args(["--long-fraction", "0.5", "--ttft-slo-ms", "20000", "--itl-slo-ms", "2000"])
+    assert (long.long_fraction, long.long_prompt_words, long.ttft_slo_ms, long.itl_slo_ms) == (0.5, 400, 20000.0, 2000.0)
