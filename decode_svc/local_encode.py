@@ -8,12 +8,17 @@ whose key is not its content's is refused before anything is encoded: ``LocalIma
 encoder's own check), encode, and check the grid against the ref's.
 
 The embeddings then go to the encoder each ref names (``Encoder.Store``), in the background, so a
-repeat of the image is a cache hit there; the first token never waits for it. A failed store only
-loses that cache entry (logged and counted in ``store_failures``): the next request with the
-image is encoded again.
+repeat of the image is a cache hit there. A store starts once its request's first token is out
+(``start_stores``, called by ``Generate`` after its first event and when it ends): serializing the
+embedding and the call run on this process's cores, which on a small host are the cores the
+request's own prompt step needs (the demo worker runs on one; its first token came 1-2 ms later
+with the store beside the step). A failed store only loses that cache entry (logged and counted in
+``store_failures``): the next request with the image is encoded again; so does a repeat that
+arrives before the store lands, which costs that one encode.
 
-Lifecycle: ``_stores`` holds the store tasks in flight (each removes itself when done); ``close``
-gives them ``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest.
+Lifecycle: ``_pending`` holds each request's stores from its encode until ``start_stores``;
+``_stores`` the store tasks in flight (each removes itself when done); ``close`` gives them
+``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest (pending ones are dropped).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class LocalEncoder:
         self.encoded = 0          # images encoded here
         self.store_failures = 0   # embeddings that did not reach their encoder's cache
         self._stores: set[asyncio.Task] = set()
+        self._pending: dict[str, list[tuple[str, list[tuple[str, ImageEmbedding]]]]] = {}   # request id -> stores
 
     @staticmethod
     def carries_bytes(refs: Sequence[pb.ImageRef]) -> bool:
@@ -61,7 +67,7 @@ class LocalEncoder:
         return bool(refs) and all(ref.image_data for ref in refs)
 
     async def encode(self, request_id: str, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
-        """The refs' embeddings, computed here; their store to the encoders starts in the background.
+        """The refs' embeddings, computed here; their store to the encoders waits for ``start_stores``.
         ``UnknownEncoderError`` (before any work) when a ref names an encoder discovery does not list."""
         try:
             await self.fetcher.require_encoders(refs)
@@ -69,7 +75,7 @@ class LocalEncoder:
             raise UnknownEncoderError(str(exc)) from exc
         records = await torch_thread.run(self._encode, refs)
         self.encoded += len(records)
-        self._store_later(request_id, refs, records)
+        self._hold_stores(request_id, refs, records)
         return records
 
     def _encode(self, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
@@ -92,12 +98,17 @@ class LocalEncoder:
             raise LocalImageError(f"image {ref.cache_key[:12]}: cache key does not match the image content")
         return image
 
-    def _store_later(self, request_id: str, refs: Sequence[pb.ImageRef], records: list[ImageEmbedding]) -> None:
+    def _hold_stores(self, request_id: str, refs: Sequence[pb.ImageRef], records: list[ImageEmbedding]) -> None:
         by_encoder: dict[str, list[tuple[str, ImageEmbedding]]] = {}
         for ref, record in zip(refs, records):
             if ref.encoder_address:
                 by_encoder.setdefault(ref.encoder_address, []).append((ref.cache_key, record))
-        for address, items in by_encoder.items():
+        if by_encoder:
+            self._pending.setdefault(request_id, []).extend(by_encoder.items())
+
+    def start_stores(self, request_id: str) -> None:
+        """Start the stores ``request_id``'s encodes left (none: nothing to do; a second call finds none)."""
+        for address, items in self._pending.pop(request_id, ()):
             task = asyncio.create_task(self._store(request_id, address, items), name=f"store-{request_id}")
             self._stores.add(task)
             task.add_done_callback(self._stores.discard)
@@ -118,6 +129,9 @@ class LocalEncoder:
     @property
     def stores_in_flight(self) -> int:
         return len(self._stores)
+
+    def stores_pending(self) -> int:
+        return len(self._pending)
 
     async def close(self) -> None:
         if self._stores:

@@ -335,11 +335,15 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                     if reserved is not None:
                         out.reserved.CopyFrom(self._reserve_response(reserved))
                 yield out
+                if request.colocated:   # the first token is out: now the images' stores (no-op after)
+                    self.local_encoder.start_stores(request.request_id)
                 if ev.finish_reason:
                     live.discard(ev.index)
                     if not live:
                         return
         finally:
+            if request.colocated:
+                self.local_encoder.start_stores(request.request_id)
             held = [s for s in seqs if self.scheduler.holds(s)]
             for s in held:
                 self.scheduler.cancel(s)             # each retirement is counted; the last releases

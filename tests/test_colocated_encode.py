@@ -176,3 +176,36 @@ async def test_the_encoder_keeps_no_embedding_that_is_not_this_models(stack):
                 cache_key="not-this-models", embedding=tensor_to_pb(torch.zeros(3, 5)))]), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not await cached_at_encoder(stack, "not-this-models", wait_s=0.2)
+
+
+async def test_the_store_waits_for_the_requests_first_token(tmp_path_factory, processor):
+    """The store of an image encoded on decode starts once the request's first token is out: on a small
+    host its serialization and call would run on the cores that token's step needs. A decode worker
+    whose every step waits 1.5 s first shows the order: encoded at once, not at the encoder until the
+    first event, then stored."""
+    env = {**LONG_LEASES, "EPD_FAULTS": "delay_step_ms=1500"}
+    with encoder_and_decode(tmp_path_factory.mktemp("store-after-first-token"), env) as slow:
+        encoder, decode = slow.by_role("encoder")[0], slow.by_role("decode")[0]
+        stats = await encoder_stats(slow)
+        job, _ = make_job(processor, seed=66)
+        key = content_key(stats, job)
+        buf = io.BytesIO()
+        job.images[0].image.save(buf, "PNG")
+        ref = pb.ImageRef(cache_key=key, encoder_address=encoder.address, image_data=buf.getvalue())
+        deadline_ms = int((time.time() + 30) * 1000)
+        async with grpc.aio.insecure_channel(decode.address, options=GRPC_OPTIONS) as ch:
+            stub = pb_grpc.DecodeStub(ch)
+            res = (await stub.Reserve(pb.ReserveRequest(
+                request_id=uuid.uuid4().hex, prompt_tokens=len(job.token_ids), max_tokens=1,
+                deadline_unix_ms=deadline_ms, token_digest=token_digest(job.token_ids, [key])), timeout=5)).reservation
+            call = stub.Generate(pb.GenerateRequest(request_id="store-order", reservation=res, max_tokens=1,
+                                                    colocated=True, deadline_unix_ms=deadline_ms,
+                                                    token_ids=job.token_ids, images=[ref]), timeout=30)
+            first = asyncio.ensure_future(call.read())
+            await asyncio.sleep(0.8)   # encoded by now; the first step is still waiting out its 1.5 s
+            assert not first.done()
+            assert not await cached_at_encoder(slow, key, wait_s=0.0), "the store did not wait for the first token"
+            assert (await first).token_ids
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert await cached_at_encoder(slow, key), "the embedding never reached the encoder after the first token"
