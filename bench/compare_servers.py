@@ -83,6 +83,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="--peer vllm: before a load's measured rounds, run it once on each server unmeasured "
                         "(its own images): a server's first loaded round otherwise pays its warm-up")
     p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--run-warmup", type=int, default=0, metavar="N",
+                   help="--peer vllm: N unmeasured requests (new images, the load's concurrency) right before "
+                        "every measured run, on the server about to run: the first server after a quiet wait "
+                        "otherwise starts cold (0: off)")
     p.add_argument("--transformers-threads", type=int, default=1,
                    help="OMP_NUM_THREADS for transformers serve; 0 = torch's default (all cores). 1 is its "
                         "best on a shared 2-core host: with 2 threads torch spin-waits against the other load")
@@ -116,6 +120,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.run_warmup < 0:
+        p.error("--run-warmup must be >= 0")
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
         p.error("--tag: letters, digits, - and _ only")
     if args.cache_only and args.cache_model == "none":

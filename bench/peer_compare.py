@@ -124,6 +124,10 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
         for name in order:
             other = next(n for n in SERVERS if n != name)
             quiet_wait[name].append(round(wait_quiet(list(procs.values())), 2))
+            if args.run_warmup:   # unmeasured, its own seed: none of the measured images
+                run_load(bases[name], load.model, seed=args.seed + 700 + rnd,
+                         **{**common, "requests": args.run_warmup, "image_pool": args.run_warmup,
+                            "concurrency": min(args.run_warmup, load.concurrency), "check_answers": False})
             before = sum(cpu_seconds(procs[other]).values())
             run = run_load(bases[name], load.model, procs[name], seed=args.seed + rnd, **common)
             idle_cpu[other].append(sum(cpu_seconds(procs[other]).values()) - before)

@@ -53,6 +53,7 @@ def test_compare_defaults() -> None:
     assert (args.requests, args.concurrency, args.rounds) == (64, 16, 2)
     assert args.transformers_threads == 1
     assert args.cache_model == "demo" and not args.cache_only
+    assert args.run_warmup == 0
     assert compare_servers.stem(args) == "compare_servers"
 
 
@@ -73,6 +74,7 @@ def test_compare_options() -> None:
     ["--cache-only", "--cache-model", "none"],
     ["--tag", "a/b"],
     ["--warmup", "-1"],
+    ["--run-warmup", "-1"],
 ])
 def test_compare_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
