@@ -149,9 +149,10 @@ class ChatHandler(ChatReplies):
         ]
         if len(parts) <= 1:
             return [await self.images.load(url, param) for url, param in parts]
+        share = offload.INLINE_MAX_PIXELS // len(parts)   # what all of them may hold the loop for, split
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.images.load(url, param)) for url, param in parts]
+                tasks = [group.create_task(self.images.load(url, param, share)) for url, param in parts]
         except ExceptionGroup as group:  # report the first client mistake, the other loads were cancelled
             mistakes = group.subgroup(ApiError)
             if mistakes is None:

@@ -223,8 +223,10 @@ class ImageLoader:
             return await self.fetcher.fetch(url, param)
         raise _bad("image_url must be a data: URL or an http(s) URL", param, "invalid_image_url")
 
-    async def load(self, url: str, param: str | None = None) -> PreparedImage:
+    async def load(self, url: str, param: str | None = None, inline_pixels: int | None = None) -> PreparedImage:
+        """The image at ``url``, decoded on the loop when it has at most ``inline_pixels`` pixels (default:
+        ``offload.INLINE_MAX_PIXELS``), else in a thread."""
         data = await self.load_bytes(url, param)
         image = read_header(data, self.limits, param)
-        image = await offload.run(offload.small_images([image.size]), decode_pixels, image, param)
+        image = await offload.run(offload.small_images([image.size], inline_pixels), decode_pixels, image, param)
         return PreparedImage(data=data, image=image)

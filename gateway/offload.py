@@ -13,8 +13,9 @@ So work whose input is small runs where it is, and the rest still goes to a thre
 
 - text: at most ``INLINE_MAX_TEXT_CHARS`` characters in all (templating and tokenizing a few
   thousand characters is tens of microseconds);
-- images: at most ``INLINE_MAX_PIXELS`` pixels in all, judged from the header before anything is
-  decoded (a decode costs by pixels, not by bytes: a flat 2000 x 2000 PNG is a few KiB).
+- images: at most ``INLINE_MAX_PIXELS`` pixels in all, judged from each header before anything is
+  decoded (a decode costs by pixels, not by bytes: a flat 2000 x 2000 PNG is a few KiB); a
+  request's images, loaded side by side, get an equal share of that bound each.
 
 The bound on what a request may hold the loop for is then about a millisecond (a 256 x 256 PNG
 decodes in 0.9 ms on this host class), never a large image's decode.
@@ -42,9 +43,10 @@ def small_text(texts: Iterable[str]) -> bool:
     return True
 
 
-def small_images(sizes: Iterable[tuple[int, int]]) -> bool:
-    """Whether images of these ``(width, height)`` together are small enough to decode and hash on the loop."""
-    return sum(w * h for w, h in sizes) <= INLINE_MAX_PIXELS
+def small_images(sizes: Iterable[tuple[int, int]], limit: int | None = None) -> bool:
+    """Whether images of these ``(width, height)`` together are small enough to decode and hash on the loop
+    (``limit`` pixels; default ``INLINE_MAX_PIXELS``: a request's images loaded one by one get a share each)."""
+    return sum(w * h for w, h in sizes) <= (INLINE_MAX_PIXELS if limit is None else limit)
 
 
 async def run(inline: bool, fn: Callable[..., T], /, *args) -> T:

@@ -85,3 +85,23 @@ def test_the_size_rules():
         return await offload.run(inline, threading.get_ident) == threading.get_ident()
 
     assert asyncio.run(where(True)) and not asyncio.run(where(False))
+
+
+async def test_a_requests_images_share_the_bound_on_the_loop(monkeypatch, backend, prompts):
+    """A 200 x 200 image alone decodes on the loop; two of them in one request are over the bound
+    together, so each decodes in a thread. Through the gateway's HTTP API, answered by the demo model."""
+    from tests.test_gateway_api import serve
+
+    seen = decode_threads(monkeypatch)
+
+    def body(n: int) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": data_url((200, 200))}} for _ in range(n)]
+        return {"model": "demo-vlm", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "what is this?"}]}]}
+
+    async with serve(backend, prompts) as client:
+        alone = await client.post("/v1/chat/completions", json=body(1))
+        assert alone.status_code == 200 and seen == [threading.get_ident()]
+        two = await client.post("/v1/chat/completions", json=body(2))
+        assert two.status_code == 200, two.text
+        assert len(seen) == 3 and threading.get_ident() not in seen[1:]
