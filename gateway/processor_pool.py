@@ -11,7 +11,8 @@ and takes it back when the block exits, whatever happened inside. When every
 copy is busy a new one is made, by ``copy.deepcopy`` of a pristine copy that
 no build ever uses (so it is never copied mid-encode). Copies are kept: the
 pool grows to the peak number of builds in flight, which its caller bounds
-(``ChatHandler``: ``settings.prompt_workers``).
+(``ChatHandler``: ``settings.prompt_workers`` in threads, plus one small build at a time on the
+event loop, ``gateway.offload``).
 """
 
 from __future__ import annotations
