@@ -126,13 +126,6 @@ class LocalEncoder:
             log.warning("request %s: storing %d embedding(s) with encoder %s failed: %s",
                         request_id, len(items), address, exc)
 
-    @property
-    def stores_in_flight(self) -> int:
-        return len(self._stores)
-
-    def stores_pending(self) -> int:
-        return len(self._pending)
-
     async def close(self) -> None:
         if self._stores:
             await asyncio.wait(set(self._stores), timeout=STORE_CLOSE_WAIT_S)

@@ -313,6 +313,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                     for child, first_token in zip(seqs[1:], firsts[1:]):
                         self.scheduler.fork(seq, child, first_token)
             first = True
+            stores_held = request.colocated   # images encoded here wait for the first token (local_encode.py)
             live = set(range(len(seqs)))
             while True:
                 timeout = max(0.0, deadline - time.monotonic()) if first else None
@@ -335,7 +336,8 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                     if reserved is not None:
                         out.reserved.CopyFrom(self._reserve_response(reserved))
                 yield out
-                if request.colocated:   # the first token is out: now the images' stores (no-op after)
+                if stores_held:   # the first token is out: now the images' stores
+                    stores_held = False
                     self.local_encoder.start_stores(request.request_id)
                 if ev.finish_reason:
                     live.discard(ev.index)
