@@ -15,6 +15,16 @@ So on two cores the demo model (one thread a worker: its weights are under
 unbound; the bench model's decode worker runs two threads, takes both cores, and nothing is bound
 (an OpenMP team whose cores a bound neighbour shares waits for it at every barrier).
 
+``reserve`` (CPU device only; vLLM's CPU backend's layout): each decode worker's model thread and
+its OpenMP team run on cores of their own (``EPD_MODEL_CORES``), every core but the last split
+evenly among the decode workers; everything else runs on the cores left (at least one): each
+decode worker's event loop and gRPC threads, the encoders and the prefill workers (one thread
+each per core left); the gateway is not bound. On two cores a two-thread decode team under
+``auto`` computes at one thread's speed in the server (every other thread of the stack lands on
+one of its cores and the team waits for it at each barrier), so one decode thread alone on its
+core steps as fast, without the gaps; with ``--placement disaggregated`` every prompt then runs on
+the other core, beside no decode step (bench/RESULTS.md, "One core for the decode step").
+
 ``none``, or ``--device cuda``: nothing is bound (on a GPU host a worker's CPU work is its event
 loop, gRPC and kernel launches, which want whichever core is free).
 
@@ -27,6 +37,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from runtime.worker.host_cpu import MODEL_CORES_ENV, model_cores
 
 CORES_ENV = "EPD_CPU_CORES"
 
@@ -46,6 +58,16 @@ def plan_cores(threads: Sequence[int], cpus: Sequence[int]) -> list[list[int] | 
         else:
             out.append(None)
     return out
+
+
+def plan_reserved(decodes: int, cpus: Sequence[int]) -> tuple[list[list[int]], list[int]] | None:
+    """``--cpu-bind reserve``: each decode worker's model cores, and the cores left for everything
+    else; ``None`` when there are not more cores than decode workers."""
+    cpus = sorted(cpus)
+    if decodes < 1 or len(cpus) <= decodes:
+        return None
+    each = (len(cpus) - 1) // decodes
+    return [cpus[i * each:(i + 1) * each] for i in range(decodes)], cpus[decodes * each:]
 
 
 def checkpoint_weight_bytes(model: str) -> int | None:
@@ -72,7 +94,16 @@ def parse_cores(text: str) -> set[int]:
 
 def bind_from_env(environ=os.environ) -> set[int] | None:
     """Bind this process to ``EPD_CPU_CORES`` (comma-separated core numbers), if set; the cores bound.
-    Call it before anything starts a thread: threads started later inherit the binding."""
+    Call it before anything starts a thread: threads started later inherit the binding. First
+    checks ``EPD_MODEL_CORES`` (the model thread's own, bound when that thread starts) against the
+    cores this process was started with."""
+    try:   # checked here, against the cores this process may use, so the model thread's own binding cannot fail
+        model = model_cores(environ)
+        allowed = os.sched_getaffinity(0)
+        if model and not model <= allowed:
+            raise ValueError(f"names cores outside {format_cores(sorted(allowed))}")
+    except ValueError as exc:
+        raise SystemExit(f"epd: {MODEL_CORES_ENV}={environ.get(MODEL_CORES_ENV)!r}: {exc}") from None
     text = environ.get(CORES_ENV, "").strip()
     if not text:
         return None

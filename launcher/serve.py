@@ -24,7 +24,9 @@ must agree on; ``--no-prefix-cache`` goes to the decode workers). Besides serve'
   it gets the cores (``worker_threads``). A checkpoint whose weight files are under
   ``SMALL_MODEL_BYTES`` runs every process on one thread (the worker's own fit would anyway);
 - ``EPD_CPU_CORES``, a model worker's own cores (``--cpu-bind auto``, the default, on the CPU:
-  ``launcher/cpu_layout.py``), unless serve's environment sets it.
+  ``launcher/cpu_layout.py``), unless serve's environment sets it; with ``--cpu-bind reserve``
+  also ``EPD_MODEL_CORES``, each decode worker's model thread's cores, and ``OMP_NUM_THREADS`` to
+  match (unless serve's environment sets it).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pydantic import ValidationError
 from gateway.settings import GatewaySettings
 from runtime.worker.settings import WorkerSettings
 
-from .cpu_layout import CORES_ENV, checkpoint_weight_bytes, format_cores, plan_cores
+from .cpu_layout import CORES_ENV, MODEL_CORES_ENV, checkpoint_weight_bytes, format_cores, plan_cores, plan_reserved
 from .processes import accepting, free_port, grpc_serving
 from .restart_policy import RestartPolicy
 from .serve_settings import ServeSettings
@@ -106,10 +108,15 @@ def parse_args(argv: list[str], worker: WorkerSettings, gateway: GatewaySettings
     p.add_argument("--restart-limit", type=int, default=serve.restart_limit,
                    help="give up on a child after this many crashes within the window (EPD_RESTART_LIMIT)")
     p.add_argument("--restart-window-s", type=float, default=serve.restart_window_s, help="(EPD_RESTART_WINDOW_S)")
-    p.add_argument("--cpu-bind", choices=["auto", "none"], default=serve.cpu_bind,
+    p.add_argument("--cpu-bind", choices=["auto", "reserve", "none"], default=serve.cpu_bind,
                    help="auto: each model worker on the CPU device runs on cores of its own while enough are "
-                        "left; none: the kernel places every process (EPD_CPU_BIND)")
+                        "left; reserve: each decode worker's model thread on cores of its own, everything else "
+                        "on the last core; none: the kernel places every process (EPD_CPU_BIND)")
     args = p.parse_args(argv)
+    if (args.cpu_bind == "reserve" and args.device == "cpu" and hasattr(os, "sched_getaffinity")
+            and plan_reserved(args.decodes, sorted(os.sched_getaffinity(0))) is None):
+        p.error(f"--cpu-bind reserve needs more cores than decode workers: {len(os.sched_getaffinity(0))} "
+                f"core(s) for {args.decodes}")
     for name in ("encoders", "decodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -187,7 +194,7 @@ def worker_threads(role: str, addrs: dict[str, list[str]], device: str, cpus: in
 def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[str, list[str]],
                  env: dict[str, str]) -> list[ChildSpec]:
     """Every worker's command and environment: ``env`` plus its role's ``OMP_NUM_THREADS``
-    (``worker_threads``) and, with ``--cpu-bind auto`` on the CPU, its own cores (``EPD_CPU_CORES``,
+    (``worker_threads``) and, with ``--cpu-bind auto`` or ``reserve`` on the CPU, its own cores (``EPD_CPU_CORES``,
     ``launcher/cpu_layout.py``), each unless ``env`` already sets it (serve's own environment did)."""
     small = _small_checkpoint(args.model)
     specs = []
@@ -209,13 +216,34 @@ def worker_specs(args: argparse.Namespace, worker: WorkerSettings, addrs: dict[s
             specs.append(ChildSpec(role, address, argv, child_env, functools.partial(grpc_serving, address),
                                    stop_group=1, stop_timeout_s=worker.drain_timeout_s + STOP_GRACE_S))
             n += 1
-    if args.cpu_bind == "auto" and args.device == "cpu" and CORES_ENV not in env and hasattr(os, "sched_getaffinity"):
+    if args.device != "cpu" or CORES_ENV in env or not hasattr(os, "sched_getaffinity"):
+        return specs
+    if args.cpu_bind == "reserve":
+        _reserve_cores(specs, env)
+    elif args.cpu_bind == "auto":
         order = sorted(specs, key=lambda sp: BIND_ORDER.index(sp.role))   # decode first: its step is on every token's path
         cores = plan_cores([int(sp.env["OMP_NUM_THREADS"]) for sp in order], sorted(os.sched_getaffinity(0)))
         for sp, mine in zip(order, cores):
             if mine is not None:
                 sp.env[CORES_ENV] = format_cores(mine)
     return specs
+
+
+def _reserve_cores(specs: list[ChildSpec], env: dict[str, str]) -> None:
+    """``--cpu-bind reserve`` (``cpu_layout.plan_reserved``): each decode worker's model thread on its
+    own cores, its process and every other worker on the cores left, one torch thread per core
+    each (``OMP_NUM_THREADS`` unless ``env`` fixes it)."""
+    decodes = [sp for sp in specs if sp.role == "decode"]
+    planned = plan_reserved(len(decodes), sorted(os.sched_getaffinity(0)))
+    assert planned is not None, "parse_args refuses a host with too few cores"
+    model, rest = planned
+    for sp in specs:
+        threads = len(model[decodes.index(sp)]) if sp.role == "decode" else len(rest)
+        if "OMP_NUM_THREADS" not in env:
+            sp.env["OMP_NUM_THREADS"] = str(threads)
+        if sp.role == "decode":
+            sp.env[MODEL_CORES_ENV] = format_cores(model[decodes.index(sp)])
+        sp.env[CORES_ENV] = format_cores(rest)
 
 
 def _small_checkpoint(model: str) -> bool:
@@ -270,5 +298,7 @@ def _print_table(args: argparse.Namespace, children: list[Child]) -> None:
     print(f"OpenAI API: http://{args.host}:{args.port}/v1   (status: http://{args.host}:{args.port}/status)\n")
     print(f"{'role':<9}{'address':<24}{'pid':<9}cores")
     for c in children:
-        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.process.pid!s:<9}{c.spec.env.get(CORES_ENV) or 'any'}")
+        model = c.spec.env.get(MODEL_CORES_ENV)
+        cores = c.spec.env.get(CORES_ENV) or "any"
+        print(f"{c.spec.role:<9}{c.spec.address:<24}{c.process.pid!s:<9}{f'model {model}, rest {cores}' if model else cores}")
     print("\nCrashed processes are restarted. Ctrl-C to stop.", flush=True)

@@ -23,4 +23,4 @@ class ServeSettings(BaseSettings):
     restart_max_backoff_s: float = Field(default=30.0, ge=0, description="serve: longest wait before a restart, seconds")
     restart_limit: int = Field(default=5, ge=1, description="serve: exits within the window after which serve gives up on a child")
     restart_window_s: float = Field(default=60.0, gt=0, description="serve: the window restart_limit counts exits in, seconds")
-    cpu_bind: Literal["auto", "none"] = Field(default="auto", description="serve: `auto` binds each model worker on the CPU device to cores of its own while enough are left (launcher/cpu_layout.py); `none` binds nothing")
+    cpu_bind: Literal["auto", "reserve", "none"] = Field(default="auto", description="serve: `auto` binds each model worker on the CPU device to cores of its own while enough are left (launcher/cpu_layout.py); `reserve` runs each decode worker's model thread on cores of its own and everything else on the last core; `none` binds nothing")

@@ -210,6 +210,28 @@ def big_checkpoint(tmp_path):
     return folder
 
 
+def test_cpu_bind_reserve_gives_the_decode_model_thread_cores_no_other_thread_has(monkeypatch, tmp_path):
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 2)
+    big = ["--model", str(big_checkpoint(tmp_path)), "--cpu-bind", "reserve"]
+    args, addrs, workers, gateway = build(big, {})
+    layout = {w.role: (w.env.get("EPD_MODEL_CORES"), w.env["EPD_CPU_CORES"], w.env["OMP_NUM_THREADS"]) for w in workers}
+    assert layout == {"decode": ("0", "1", "1"), "encoder": (None, "1", "1"), "prefill": (None, "1", "1")}
+    assert "EPD_CPU_CORES" not in gateway.env and "EPD_MODEL_CORES" not in gateway.env
+    args, addrs, workers, gateway = build(big, {"OMP_NUM_THREADS": "2"})   # serve's own setting wins
+    assert {w.env["OMP_NUM_THREADS"] for w in workers} == {"2"}
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 8)
+    args, addrs, workers, gateway = build([*big, "--decodes", "2"], {})
+    decodes = sorted((w.env["EPD_MODEL_CORES"], w.env["OMP_NUM_THREADS"]) for w in workers if w.role == "decode")
+    assert decodes == [("0,1,2", "3"), ("3,4,5", "3")]
+    assert {w.env["EPD_CPU_CORES"] for w in workers} == {"6,7"}
+    assert {w.env["OMP_NUM_THREADS"] for w in workers if w.role != "decode"} == {"2"}
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0})   # one core: nothing to reserve
+    with pytest.raises(SystemExit):
+        build(big, {})
+
+
 def cores_of(workers) -> dict[str, str | None]:
     return {f"{w.role}@{w.address}": w.env.get("EPD_CPU_CORES") for w in workers}
 

@@ -8,8 +8,10 @@ such a host a remote prompt does not add capacity but takes it from the decode w
 - ``host_id``: the kernel's boot id (``/proc/sys/kernel/random/boot_id``): processes and containers
   of one machine share it, two machines never do. "" where it cannot be read (then nothing is
   judged shared).
-- ``cpus``: this process's CPU affinity (what ``taskset``, ``epd serve --cpu-bind`` or a container's
-  cpuset allow), empty for a worker whose model runs on a GPU (its compute is not on those cores).
+- ``cpus``: the cores the worker's model runs on: ``EPD_MODEL_CORES`` where set (``model_cores``:
+  its model thread's own cores, apart from the process's other threads), else this process's CPU
+  affinity (what ``taskset``, ``epd serve --cpu-bind`` or a container's cpuset allow); empty for a
+  worker whose model runs on a GPU (its compute is not on those cores).
 - ``busy()``: the share of those CPUs' time spent busy (everything but idle and iowait, any process)
   since the previous read, from ``/proc/stat``; reads closer together than ``MIN_INTERVAL_S`` return
   the last value. -1 until two reads exist or where ``/proc/stat`` is missing.
@@ -23,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+MODEL_CORES_ENV = "EPD_MODEL_CORES"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 PROC_STAT = Path("/proc/stat")
 MIN_INTERVAL_S = 0.05
@@ -33,6 +36,19 @@ def read_host_id() -> str:
         return BOOT_ID.read_text().strip()
     except OSError:
         return ""
+
+
+def model_cores(environ=os.environ) -> set[int] | None:
+    """``EPD_MODEL_CORES`` (comma-separated core numbers): the cores the worker's model thread, and
+    the OpenMP team it starts, run on (``runtime.worker.torch_thread`` binds itself there); ``None``
+    when unset. ``ValueError`` for anything but core numbers."""
+    text = environ.get(MODEL_CORES_ENV, "").strip()
+    if not text:
+        return None
+    cores = {int(part) for part in text.split(",")}
+    if min(cores) < 0:
+        raise ValueError(f"not a list of core numbers: {text!r}")
+    return cores
 
 
 def cpu_times(cpus: set[int], text: str) -> tuple[int, int] | None:
@@ -56,7 +72,7 @@ def cpu_times(cpus: set[int], text: str) -> tuple[int, int] | None:
 class HostCpu:
     def __init__(self, device_type: str = "cpu"):
         self.host_id = read_host_id()
-        self.cpus: list[int] = sorted(os.sched_getaffinity(0)) if device_type == "cpu" else []
+        self.cpus: list[int] = sorted(model_cores() or os.sched_getaffinity(0)) if device_type == "cpu" else []
         self._last: tuple[int, int] | None = None
         self._last_s = 0.0
         self._busy = -1.0

@@ -44,6 +44,7 @@ class WorkerSettings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="worker Prometheus metrics port (unset: none)")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="graceful drain on SIGTERM, seconds")
     cpu_cores: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$", description="the cores this process runs on, comma-separated, bound before it starts any thread (unset: any core; `epd serve --cpu-bind auto` sets it for its workers)")
+    model_cores: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$", description="the cores this worker's model thread and its OpenMP team run on, comma-separated, apart from the process's other threads (event loop, gRPC), which stay on `EPD_CPU_CORES` (unset: the process's cores; `epd serve --cpu-bind reserve` sets it for its decode workers)")
     heartbeat_s: float = Field(default=2.0, gt=0, description="Redis registration heartbeat, seconds (the entry lives three)")
     # encoder
     encoder_max_batch: int = Field(default=16, ge=1, description="encoder: images per vision-tower batch")

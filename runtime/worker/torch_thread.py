@@ -8,6 +8,12 @@ team's idle threads spin while another team computes, on cores the computing tea
 Every model call of a worker (load, encode, prepare, forward) goes through ``run`` instead:
 one thread, one OpenMP team, calls run one at a time in the order they were submitted.
 
+Where ``EPD_MODEL_CORES`` is set (``epd serve --cpu-bind reserve``), the thread binds itself to those
+cores as it starts, so its OpenMP team (started by it, inheriting the binding) computes there
+while the process's other threads (event loop, gRPC) stay on the process's own cores: nothing of
+the worker's RPC work preempts the model's cores, and no GIL hand-off waits on a core the model
+holds. The value was checked when the process started (``launcher.cli``).
+
 Lifecycle: the thread starts on the first call and lives as long as the process (a daemon of
 the executor); nothing on it may wait for the event loop, which awaits it.
 """
@@ -19,11 +25,21 @@ import contextvars
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+import os
 from typing import TypeVar
+
+from runtime.worker.host_cpu import model_cores
 
 T = TypeVar("T")
 
-_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-torch")
+
+def _bind_to_model_cores() -> None:
+    cores = model_cores()
+    if cores:
+        os.sched_setaffinity(0, cores)   # 0: the calling thread alone (Linux)
+
+
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epd-torch", initializer=_bind_to_model_cores)
 
 
 async def run(fn: Callable[..., T], /, *args, **kwargs) -> T:
