@@ -22,8 +22,10 @@ decode worker's event loop and gRPC threads, the encoders and the prefill worker
 each per core left); the gateway is not bound. On two cores a two-thread decode team under
 ``auto`` computes at one thread's speed in the server (every other thread of the stack lands on
 one of its cores and the team waits for it at each barrier), so one decode thread alone on its
-core steps as fast, without the gaps; with ``--placement disaggregated`` every prompt then runs on
-the other core, beside no decode step (bench/RESULTS.md, "One core for the decode step").
+core steps as fast, without the gaps, and conditional placement sends a prompt that would stall
+busy decoders to the prefill worker on the other core (its cores are apart from the decode
+step's: ``runtime/policy/placement_policy.py``; bench/RESULTS.md, "One core for the decode step").
+Long prompts then queue for that one core: the layout suits short chats.
 
 ``none``, or ``--device cuda``: nothing is bound (on a GPU host a worker's CPU work is its event
 loop, gRPC and kernel launches, which want whichever core is free).

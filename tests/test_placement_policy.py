@@ -329,3 +329,29 @@ def test_shared_cores_count_only_for_the_decode_worker_they_are_shared_with() ->
     p = PrefillWorkerLoad("p0", shared_cores=(("d0", 1.0),))
     decision = choose_placement(SHORT, loads(queued, other, prefill=(p,)), CM, "disaggregated", 2000.0, 150.0)
     assert decision is not None and decision.decode_worker == "d1"   # d1's cores are not the prompt's
+
+
+# ---- a prefill worker on cores apart from the decode worker's ------------------------
+
+
+def test_on_cores_apart_a_short_prompt_beside_busy_decoders_spares_them_its_stall() -> None:
+    """Within the ITL SLO a colocated stall costs nothing, unless the prefill worker computes on
+    other cores: then the split removes the stall from every neighbour at the price of its transfer."""
+    shared = choose_placement(SHORT, loads(busy(running=8)), CM, "conditional", 2000.0, 150.0)
+    assert shared is not None and (shared.placement, shared.reason) == ("colocated", "short_prompt_low_load")
+    assert shared.estimates["local_breached"] == 0     # 37.5 ms of prompt beside a 45 ms step: within 150 ms
+    apart = (PrefillWorkerLoad("p0", apart_from=("d0",)),)
+    split = choose_placement(SHORT, loads(busy(running=8), prefill=apart), CM, "conditional", 2000.0, 150.0)
+    assert split is not None and (split.placement, split.reason) == ("disaggregated", "stall_on_busy_decoders")
+    assert split.estimates["remote_ttft_ms"] > split.estimates["local_ttft_ms"]   # slower for itself, not for all
+    # nobody decoding: nothing to spare, and the transfer buys nothing
+    idle = choose_placement(SHORT, loads(busy(running=0), prefill=apart), CM, "conditional", 2000.0, 150.0)
+    assert idle is not None and idle.placement == "colocated"
+    # a prefill queue longer than the neighbours' whole stall (8 x 37.5 ms): colocated
+    deep = (PrefillWorkerLoad("p0", queue_wait_ms=400.0, apart_from=("d0",)),)
+    queued = choose_placement(SHORT, loads(busy(running=8), prefill=deep), CM, "conditional", 2000.0, 150.0)
+    assert queued is not None and queued.placement == "colocated"
+    # apart from another decode worker only: this one's neighbours still share the prompt's cores
+    elsewhere = (PrefillWorkerLoad("p0", apart_from=("d9",)),)
+    other = choose_placement(SHORT, loads(busy(running=8), prefill=elsewhere), CM, "conditional", 2000.0, 150.0)
+    assert other is not None and other.placement == "colocated"

@@ -302,6 +302,19 @@ def test_a_prefill_worker_shares_cores_with_the_decode_workers_it_overlaps_on_on
                                          WorkerReport(Role.DECODE, "d", cpus=(0,), cpus_busy=1.0))),
                           RequestShape(10, 1), CM)
     assert unknown.prefill[0].shared_cores == ()   # no machine named: nothing judged shared
+    assert unknown.prefill[0].apart_from == ()     # ... nor apart
+
+
+def test_a_prefill_worker_computes_apart_from_the_decode_workers_whose_cores_it_never_uses() -> None:
+    prefill = WorkerReport(Role.PREFILL, "p", host_id="h1", cpus=(1,))
+    workers = (prefill, WorkerReport(Role.DECODE, "model-core", host_id="h1", cpus=(0,)),
+               WorkerReport(Role.DECODE, "overlapping", host_id="h1", cpus=(0, 1)),
+               WorkerReport(Role.DECODE, "other-host", host_id="h2", cpus=(1,)),
+               WorkerReport(Role.DECODE, "gpu", host_id="h1", cpus=()))
+    loads = stage_loads(StatsSnapshot(workers), RequestShape(10, 1), CM)
+    assert loads.prefill[0].apart_from == ("model-core", "other-host")   # a GPU worker reports no cores: not known
+    gpu_prefill = WorkerReport(Role.PREFILL, "p", host_id="h1", cpus=())
+    assert stage_loads(StatsSnapshot((gpu_prefill, *workers[1:])), RequestShape(10, 1), CM).prefill[0].apart_from == ()
 
 
 def test_the_gateway_reads_where_a_worker_computes_from_its_stats() -> None:

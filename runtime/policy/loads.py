@@ -49,6 +49,9 @@ class PrefillWorkerLoad:
     # decode workers whose cores this one computes on, each with how busy those cores are (0-1):
     # a prompt here competes with that worker's queued work (runtime/policy/placement_policy.py)
     shared_cores: tuple[tuple[str, float], ...] = ()
+    # decode workers known to compute on other CPUs (both report their cores, none shared): a prompt
+    # here delays none of their running sequences, which a colocated one would
+    apart_from: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

@@ -29,6 +29,15 @@ Placements:
   keeps every gap within the SLO costs nothing). So a long prompt beside busy
   decoders goes remote (the chapter's 8 neighbours x 230 ms stall against a
   95 ms transfer), and under low load the transfer buys nothing and colocated wins.
+  Where the prefill worker is known to compute on other CPUs than the decode worker
+  (``PrefillWorkerLoad.apart_from``: both report their cores, none shared), the colocated
+  cost counts the stall of every gap, within the SLO too: there the split is the chapter's
+  trade exactly (the stall it removes, spread across the neighbours, against the transfer and
+  the added queueing), paid from cores the decode step does not use. On two cores with the
+  decode step on a core of its own (``epd serve --cpu-bind reserve``), colocating every short
+  chat beside 15 decoding neighbours served 8-9% fewer requests/s than sending them to the
+  prefill worker on the other core (bench/RESULTS.md, "One core for the decode step"). GPU
+  workers report no cores, so nothing changes there.
 
 Admission (``admit``) places the request, then refuses it when the chosen placement's
 TTFT estimate, plus the pipeline's backlog and the model's recent misprediction
@@ -61,6 +70,7 @@ REASONS: tuple[str, ...] = (
     "long_prompt_busy_decoders",  # remote: colocated would breach the neighbours' ITL SLO
     "local_misses_deadline",  # remote: only it meets this request's TTFT deadline
     "local_queue_slower",  # remote: equal harm, lower TTFT
+    "stall_on_busy_decoders",  # remote: on cores apart, its extra TTFT is less than the stall colocated puts on the neighbours
 )
 
 
@@ -71,6 +81,7 @@ class LocalEstimate:
     gap_ms: float  # largest inter-token gap the neighbours see
     interference_ms: float  # neighbours x stall, over SLO-breaching gaps only
     breached: int  # neighbours whose ITL SLO the prefill breaks
+    stall_ms: float = 0.0  # neighbours x stall, over every gap (what a prefill worker apart spares them)
 
 
 @dataclass(slots=True)
@@ -209,11 +220,15 @@ def choose_placement(
     local_miss = local.ttft_ms > ttft_deadline_ms
     remote_miss = remote.ttft_ms > ttft_deadline_ms
     local_harm = local_miss + local.breached
-    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms < local.ttft_ms + local.interference_ms):
+    apart = any(p.address == remote.prefill_worker and local.worker in p.apart_from for p in loads.prefill)
+    stall = local.stall_ms if apart else local.interference_ms
+    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms < local.ttft_ms + stall):
         if local.breached:
             reason = "long_prompt_busy_decoders"
+        elif local_miss and not remote_miss:
+            reason = "local_misses_deadline"
         else:
-            reason = "local_misses_deadline" if local_miss and not remote_miss else "local_queue_slower"
+            reason = "stall_on_busy_decoders" if remote.ttft_ms >= local.ttft_ms + local.interference_ms else "local_queue_slower"
         return _decision(remote, reason, local, remote)
     if local.breached:
         reason = "stall_cheaper_than_transfer"
@@ -241,7 +256,7 @@ def _best_local(
     A worker with ``cached_prefix_tokens`` prefills only the rest, and encodes only the images
     outside that prefix.
     """
-    best: tuple[float, float, float, int] | None = None
+    best: tuple[float, float, float, int, float] | None = None
     best_w, best_cost = None, 0.0
     full = shape.prompt_tokens
     for w in workers:
@@ -258,11 +273,12 @@ def _best_local(
         n = w.running_seqs
         if local_chunk_tokens is not None and tokens > local_chunk_tokens:
             step = cm.decode_step_ms(n) if n else 0.0
-            total = gap = interference = 0.0
+            total = gap = interference = stall = 0.0
             times = cm.suffix_chunk_times(cached, full, local_chunk_tokens) if cached else cm.chunk_times(
                 tokens, local_chunk_tokens)
             for c in times:
                 total += c + step
+                stall += n * c
                 if n and c + step > gap:
                     gap = c + step
                 if n and c + step > itl_slo_ms:
@@ -270,13 +286,14 @@ def _best_local(
         else:
             total = cm.suffix_prefill_ms(cached, full) if cached else prompt_prefill_ms
             gap = total + cm.decode_step_ms(n + 1) if n else 0.0
-            interference = n * total if gap > itl_slo_ms else 0.0
+            stall = n * total
+            interference = stall if gap > itl_slo_ms else 0.0
         ttft, breached = start + total, n if gap > itl_slo_ms else 0
         harm = (ttft > ttft_deadline_ms) + breached
         # harm dominates: add a cost far larger than any TTFT difference per unit of harm
         cost = harm * 1e9 + ttft + interference
         if best_w is None or _better(cost, w, best_cost, best_w):
-            best, best_w, best_cost = (ttft, gap, interference, breached), w, cost
+            best, best_w, best_cost = (ttft, gap, interference, breached, stall), w, cost
     return LocalEstimate(best_w.address, *best)  # type: ignore[union-attr, misc]  # workers is non-empty
 
 

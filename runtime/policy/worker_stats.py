@@ -127,7 +127,9 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> 
         elif w.role is Role.PREFILL:
             shared = tuple((d.address, max(0.0, w.cpus_busy, d.cpus_busy)) for d in snapshot.workers
                            if d.role is Role.DECODE and shares_cores(w, d))
-            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending), shared))
+            apart = tuple(d.address for d in snapshot.workers if d.role is Role.DECODE and computes_apart(w, d))
+            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending), shared,
+                                             apart))
         elif encoder_queue is None or pending < encoder_queue:
             encoder_queue = pending
     encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
@@ -138,6 +140,12 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> 
 def shares_cores(a: WorkerReport, b: WorkerReport) -> bool:
     """Whether ``a`` and ``b`` compute on some of the same CPUs of one machine."""
     return bool(a.host_id) and a.host_id == b.host_id and not set(a.cpus).isdisjoint(b.cpus)
+
+
+def computes_apart(a: WorkerReport, b: WorkerReport) -> bool:
+    """Whether ``a`` and ``b`` are known to compute on different CPUs: both report their machine and
+    cores (CPU workers) and share none (other machines, or disjoint cores of one)."""
+    return bool(a.cpus and b.cpus and a.host_id and b.host_id) and not shares_cores(a, b)
 
 
 def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWorkerLoad:
