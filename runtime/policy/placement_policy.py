@@ -35,8 +35,8 @@ Placements:
   trade exactly (the stall it removes, spread across the neighbours, against the transfer and
   the added queueing), paid from cores the decode step does not use. On two cores with the
   decode step on a core of its own (``epd serve --cpu-bind reserve``), colocating every short
-  chat beside 15 decoding neighbours served 8-9% fewer requests/s than sending them to the
-  prefill worker on the other core (bench/RESULTS.md, "One core for the decode step"). GPU
+  chat beside 15 decoding neighbours served 8.3 requests/s, this rule 9.4 (it sends them to
+  the prefill worker on the other core; bench/RESULTS.md, "One core for the decode step"). GPU
   workers report no cores, so nothing changes there.
 
 Admission (``admit``) places the request, then refuses it when the chosen placement's
