@@ -25,11 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _serve(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``epd serve FLAGS`` on a free port, once every stage is healthy."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "serve", "--port", str(port), *flags], cwd=ROOT,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -45,6 +44,13 @@ def served(tmp_path_factory):
     else:
         proc.kill()
         pytest.fail(f"epd serve not healthy:\n{log.read_text()}")
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc, base = _serve(log)
     children = psutil.Process(proc.pid).children(recursive=True)
     yield proc, base, children, log
     if proc.poll() is None:
@@ -132,3 +138,31 @@ def test_ctrl_c_leaves_no_process(served):
     proc.wait(timeout=60)
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {[p.pid for p in alive]}\n{log.read_text()}"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_cpu_bind_reserve_runs_the_decode_step_on_a_core_nothing_else_uses(tmp_path):
+    """``--cpu-bind reserve``: the decode worker's model thread alone on the first core, its event loop
+    and the other workers on the last; ``/status`` reports the cores each model computes on, and the
+    stack answers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    log = tmp_path / "serve.log"
+    proc, base = _serve(log, "--cpu-bind", "reserve")
+    try:
+        url, answer = _image_url(3)
+        reply = OpenAI(base_url=f"{base}/v1", api_key="unused").chat.completions.create(
+            model="demo-vlm", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "What is in the image?"}]}])
+        assert reply.choices[0].message.content.strip() == answer
+        status = httpx.get(f"{base}/status").json()
+        assert [w["cpus"] for w in status["decode"]] == [[cpus[0]]]
+        assert [w["cpus"] for w in (*status["encoder"], *status["prefill"])] == [[cpus[-1]], [cpus[-1]]]
+        decode = next(c for c in psutil.Process(proc.pid).children(recursive=True) if "decode" in c.cmdline())
+        threads = {t.id: set(os.sched_getaffinity(t.id)) for t in decode.threads()}
+        assert set(os.sched_getaffinity(decode.pid)) == {cpus[-1]}               # its event loop
+        assert [t for t, cores in threads.items() if cores == {cpus[0]}]          # its model thread
+        assert all(cores in ({cpus[0]}, {cpus[-1]}) for cores in threads.values())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
