@@ -238,11 +238,11 @@ def _reserve_cores(specs: list[ChildSpec], env: dict[str, str]) -> None:
     assert planned is not None, "parse_args refuses a host with too few cores"
     model, rest = planned
     for sp in specs:
-        threads = len(model[decodes.index(sp)]) if sp.role == "decode" else len(rest)
+        mine = model[decodes.index(sp)] if sp.role == "decode" else None
+        if mine:
+            sp.env[MODEL_CORES_ENV] = format_cores(mine)
         if "OMP_NUM_THREADS" not in env:
-            sp.env["OMP_NUM_THREADS"] = str(threads)
-        if sp.role == "decode":
-            sp.env[MODEL_CORES_ENV] = format_cores(model[decodes.index(sp)])
+            sp.env["OMP_NUM_THREADS"] = str(len(mine or rest))
         sp.env[CORES_ENV] = format_cores(rest)
 
 

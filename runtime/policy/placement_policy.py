@@ -81,7 +81,7 @@ class LocalEstimate:
     gap_ms: float  # largest inter-token gap the neighbours see
     interference_ms: float  # neighbours x stall, over SLO-breaching gaps only
     breached: int  # neighbours whose ITL SLO the prefill breaks
-    stall_ms: float = 0.0  # neighbours x stall, over every gap (what a prefill worker apart spares them)
+    stall_ms: float  # neighbours x stall, over every gap (what a prefill worker apart spares them)
 
 
 @dataclass(slots=True)
