@@ -83,17 +83,21 @@ def _model_loads(args: argparse.Namespace, kind: str, loads: list[Load]) -> list
 
     path = model_path(args, kind)
     require_model(path, kind)
-    v_port, e_port = free_port(), free_port()
-    procs = {"vllm": vllm_serve(path, v_port, args.logs, kind, args.vllm_threads),
-             "epd": epd_serve(path, e_port, args.logs, kind, args.epd_args.split())}
-    bases = {"vllm": f"http://127.0.0.1:{v_port}", "epd": f"http://127.0.0.1:{e_port}"}
+    v_port = free_port()
+    procs = {"vllm": vllm_serve(path, v_port, args.logs, kind, args.vllm_threads)}
+    bases = {"vllm": f"http://127.0.0.1:{v_port}"}
     out = []
     started = time.monotonic()
     try:
-        for proc in procs.values():
-            proc.start()
-        wait_http(f"{bases['epd']}/health", [procs["epd"]])
+        # vLLM first: its engine binds a dozen ephemeral ports as it starts, and a port picked for
+        # epd beforehand (gateway or worker) could be one of them
+        procs["vllm"].start()
         wait_http(f"{bases['vllm']}/v1/models", [procs["vllm"]], timeout_s=600)
+        e_port = free_port()
+        procs["epd"] = epd_serve(path, e_port, args.logs, kind, args.epd_args.split())
+        bases["epd"] = f"http://127.0.0.1:{e_port}"
+        procs["epd"].start()
+        wait_http(f"{bases['epd']}/health", [procs["epd"]])
         print(f"[{kind}] vllm and epd up after {time.monotonic() - started:.0f} s", file=sys.stderr)
         for name in SERVERS:
             if args.warmup:
