@@ -2,7 +2,8 @@
 
 For each model the loads need, both servers are started from their own environments (vLLM
 from the venv of ``bench/vllm_setup.sh``, on a converted copy of the checkpoint; see
-``bench.harness.vllm_peer``) and warmed up; each load first runs once on each server unmeasured
+``bench.harness.vllm_peer``), vLLM first and epd once vLLM serves (its engine binds a dozen ephemeral
+ports as it starts: a port picked for epd before that could be taken), and warmed up; each load first runs once on each server unmeasured
 (``--load-warmup``, its own images: on one host vLLM's first loaded demo-c16 round served 98-119
 req/s against 127-151 in its second, and the worse-round ratios followed the order); then every
 load runs ``--rounds`` times on each, one server under load at a time, alternating which goes
