@@ -69,7 +69,7 @@ import torch
 from runtime.model import grammar
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import PackedItem, PreparedPrompt, VLMAdapter
-from runtime.model.sampling import SampledToken, SamplingContext, sample
+from runtime.model.sampling import SampledToken, SamplingContext, greedy_tokens, sample
 from runtime.model.state_slots import StateSlotPool
 from runtime.worker import torch_thread
 from runtime.worker.background_loop import start_loop, stop_loop
@@ -303,13 +303,23 @@ class DecodeScheduler:
             item.state_slot = seq.state_slot
             items.append(item)
         logits = self.adapter.forward_packed(self.pool, items, self.states)
-        next_tokens = [self._sample(s, logits[i], s.next_position + 1) for i, s in enumerate(decoding)]
+        next_tokens = self._sample_decodes(decoding, logits)
         first_tokens = []
         for j, (seq, _, end) in enumerate(chunks):
             row = logits[len(decoding) + j]
             first_tokens.append(None if row is None else
                                 [self._sample(s, row, seq.prompt_len, allowed_mask(seq)) for s in (seq, *seq.forks)])
         return next_tokens, first_tokens
+
+    def _sample_decodes(self, decoding: list[Sequence], logits: list) -> list[SampledToken]:
+        """Each decode's token (``logits[i]``: ``decoding[i]``'s row); the plain greedy ones in one argmax call."""
+        plain = [i for i, s in enumerate(decoding) if s.sampling.plain_greedy and s.matcher is None]
+        out: list[SampledToken | None] = [None] * len(decoding)
+        if len(plain) > 1:
+            for i, token in zip(plain, greedy_tokens([logits[i] for i in plain])):
+                out[i] = SampledToken(token)
+        return [self._sample(s, logits[i], s.next_position + 1) if out[i] is None else out[i]
+                for i, s in enumerate(decoding)]
 
     def _sample(self, seq: Sequence, logits, position: int, allowed=None) -> SampledToken:
         """The token for ``position``: the pipeline sees the prompt ids it needs and the output so far

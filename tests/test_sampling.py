@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from proto.epd.v1 import epd_pb2 as pb
-from runtime.model.sampling import SEED_MAX, SEED_MIN, SamplingParams, sample_token
+from runtime.model.sampling import (SEED_MAX, SEED_MIN, SamplingContext, SamplingParams, greedy_tokens, sample,
+                                    sample_token)
 from runtime.worker.wire import sampling_from_pb, sampling_to_pb
 
 
@@ -80,3 +81,29 @@ def test_every_sampling_field_and_the_logprobs_cross_the_wire_exactly():
     assert logprobs_to_pb(SampledToken(4)) is None and sampled_from_pb(4, None) == SampledToken(4)
     with pytest.raises(ValueError, match="repetition_penalty"):
         sampling_from_pb(pb.SamplingParams(repetition_penalty=-1.0))
+
+
+@pytest.mark.parametrize("params, plain", [
+    (SamplingParams(), True),
+    (SamplingParams(temperature=1e-6, top_p=0.5, top_k=3, min_p=0.2), True),   # greedy: the draw's filters change nothing
+    (SamplingParams(temperature=0.7), False),
+    (SamplingParams(repetition_penalty=1.2), False),
+    (SamplingParams(frequency_penalty=0.5), False),
+    (SamplingParams(presence_penalty=-0.5), False),
+    (SamplingParams(min_tokens=2), False),
+    (SamplingParams(logprobs=0), False),
+    (SamplingParams(grammar='{"type": "object"}'), False),
+])
+def test_plain_greedy_is_greedy_with_every_processor_neutral(params, plain):
+    assert params.plain_greedy is plain
+
+
+def test_greedy_tokens_are_the_tokens_sample_picks():
+    """One argmax over many rows equals ``sample`` row by row, ties (the first maximum) included."""
+    gen = torch.Generator().manual_seed(0)
+    rows = list(torch.randn(12, 97, generator=gen))
+    rows[3][[5, 40]] = rows[3].max() + 1.0            # a tie: the first index wins in both
+    rows[7] = rows[7].to(torch.float16).float()       # coarse values, more ties
+    expected = [sample(r, SamplingParams(), SamplingContext((), ()), 9).token_id for r in rows]
+    assert greedy_tokens(rows) == expected
+    assert greedy_tokens(rows)[3] == 5

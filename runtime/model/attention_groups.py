@@ -27,7 +27,8 @@ layout that every kernel in ``attention_kernels`` shares:
 
 Invariant: ``out_index`` lists the packed rows of the valid queries in the order
 ``q_valid`` selects them, so ``out[out_index] = result[q_valid]`` writes each new
-token's output exactly once.
+token's output exactly once; where no query is padded and those rows are consecutive
+(``out_rows``: decodes, a lone chunk) that is the plain slice copy ``out[start:stop] = result``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class AttentionGroup:
     block_size: int
     bidirectional: bool = False       # some query sees past its position (an image span)
     one_runs: list[int | None] = field(default_factory=list)  # per group, B == 1 with consecutive pages: the first (no gather)
+    out_rows: tuple[int, int] | None = None   # no padded query and the packed rows in order: rows [start, stop)
     kernel_state: dict[Any, Any] = field(default_factory=dict)  # per-forward cache of a kernel (flex's block mask)
 
     @property
@@ -100,18 +102,19 @@ def _visible(keys: torch.Tensor, q_limits: torch.Tensor, ctx: torch.Tensor) -> t
 def _table(block_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], n_blocks: int, block_size: int,
            ring: bool) -> torch.Tensor:
     """``[B, n_blocks]``: each sequence's first blocks of its context (a ring repeats its pages)."""
-    table = torch.zeros(len(ctx_lens), n_blocks, dtype=torch.long)
+    rows = []
     for i, (blocks, c) in enumerate(zip(block_tables, ctx_lens)):
         need = -(-c // block_size)
         if ring:
             if not blocks:
                 raise ValueError(f"sequence {i}: an empty ring")
-            table[i, :need] = torch.as_tensor(list(blocks), dtype=torch.long)[torch.arange(need) % len(blocks)]
-            continue
-        if len(blocks) < need:
+            row = [blocks[j % len(blocks)] for j in range(need)]
+        elif len(blocks) < need:
             raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold a context of {c} tokens")
-        table[i, :need] = torch.as_tensor(list(blocks[:need]), dtype=torch.long)
-    return table
+        else:
+            row = list(blocks[:need])
+        rows.append(row + [0] * (n_blocks - need))
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), n_blocks)
 
 
 def _one_run(table: torch.Tensor, ctx_len: int, block_size: int) -> int | None:
@@ -152,10 +155,12 @@ def build_group(q_offsets: Sequence[int], q_lens: Sequence[int], ctx_lens: Seque
         keys = torch.arange(n_blocks * block_size)
         mask = _visible(keys, q_limits, ctx).unsqueeze(1).to(device)                # [B, 1, Q, S]
     one_runs = [_one_run(t, ctx_lens[0], block_size) if b == 1 else None for t in tables]
+    in_order = all(q == max_q for q in q_lens) and all(o == q_offsets[0] + i * max_q for i, o in enumerate(q_offsets))
     return AttentionGroup(
         q_index=q_index.to(device), q_valid=q_valid.to(device), out_index=q_index[q_valid].to(device),
         tables=[t.to(device) for t in tables], ctx_lens=ctx.to(device), q_starts=q_starts.to(device), mask=mask,
         q_positions=q_pos.to(device), q_limits=q_limits.to(device), max_ctx=max_ctx, block_size=block_size, bidirectional=bidirectional, one_runs=one_runs,
+        out_rows=(q_offsets[0], q_offsets[0] + b * max_q) if in_order else None,
     )
 
 

@@ -126,11 +126,18 @@ def attend(kernel: str, query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: t
     (``window``: the layer's sliding window, ``None`` for full attention; ``table``: the layer's page group;
     ``causal_only``: image spans attend causally on this layer)."""
     fn = flex if kernel == "flex_attention" else sdpa_padded
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    rows, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+    out = None
     for group in groups:
         q = group_queries(query, group)
         k = gather_context(k_blocks, group, q.dtype, "k", table)
         v = gather_context(v_blocks, group, q.dtype, "v", table)
         o = fn(q, k, v, group, scaling, window, causal_only).transpose(1, 2)            # [B, Q, H, D]
-        out[group.out_index] = o[group.q_valid]
-    return out
+        if group.out_rows == (0, rows):    # one group holds every row, in order: its result is the output
+            return o.reshape(rows, heads, dim)
+        out = query.new_empty(rows, heads, dim) if out is None else out
+        if group.out_rows is not None:
+            out[group.out_rows[0]: group.out_rows[1]] = o.reshape(-1, heads, dim)
+        else:
+            out[group.out_index] = o[group.q_valid]
+    return out if out is not None else query.new_empty(rows, heads, dim)

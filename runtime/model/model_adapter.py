@@ -286,7 +286,7 @@ class VLMAdapter:
         """Run all items' new tokens as one packed row; write their KV (and, for a hybrid decoder, update each
         item's state slot: ``states``); return last-token logits."""
         row = pack(pool, items, self.family.position_kind, self.device,
-                   ring_runs=self.attention_kernel == attention_reference.KERNEL)
+                   context_runs=self.attention_kernel == attention_reference.KERNEL)
         batch = PagedBatch(pool.layer_kv, row.slot_mapping, row.spans, row.groups, self.attention_kernel,
                            pool.groups if pool.groups.windowed else None, row.ring_slot_mappings)
         extra = self._linear_batch(states, items, row.spans)

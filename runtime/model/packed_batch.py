@@ -18,7 +18,8 @@ token, in the same chunk; a text token: itself). ``None`` is causal.
 which of its tokens are image tokens, and those tokens' rows of every level.
 
 ``pack`` concatenates the items into one row ``[1, T]`` and returns the position
-ids, the KV slot of every new token, each sequence's context runs, the batched
+ids, the KV slot of every new token, each sequence's context runs (for the reference
+loop only: a batched kernel's forward leaves them empty), the batched
 attention groups (``attention_groups``: block tables and masks), and the
 DeepStack inputs (``visual_pos_masks``, one ``[n, hidden]`` tensor per level), in
 the layout the model's own forward takes.
@@ -95,6 +96,22 @@ def item_positions(item: PackedItem, kind: PositionKind) -> torch.Tensor:
     return (seq + item.rope_delta)[None].expand(3, -1)
 
 
+def _position_ids(items: Sequence[PackedItem], kind: PositionKind) -> torch.Tensor:
+    """``[kind, T]`` position ids of all items' tokens in packed order (``item_positions`` of each, built as one
+    tensor where every item's positions follow from its start: 1-D, or M-RoPE items with a ``rope_delta``)."""
+    if kind == PositionKind.ONE_D:
+        flat: list[int] = []
+        for item in items:
+            if item.positions is not None or item.rope_delta not in (None, 0):
+                item_positions(item, kind)   # raises: the wrong kind of item
+            flat.extend(range(item.start, item.start + item.q_len))
+        return torch.tensor(flat, dtype=torch.long)[None]
+    if all(item.positions is None and item.rope_delta is not None for item in items):
+        flat = [p + item.rope_delta for item in items for p in range(item.start, item.start + item.q_len)]
+        return torch.tensor(flat, dtype=torch.long)[None].repeat(3, 1)
+    return torch.cat([item_positions(item, kind) for item in items], dim=1)
+
+
 def _new_slots(context: list[tuple[int, int, int]], start: int, out: list[int]) -> None:
     """The new tokens' own slots (positions ``start..``): the context's tail."""
     for pos, slot, length in context:
@@ -113,37 +130,37 @@ def _check_ring(pool: KVBlockPool, item: PackedItem) -> None:
 
 
 def pack(pool: KVBlockPool, items: Sequence[PackedItem], kind: PositionKind, device: torch.device,
-         ring_runs: bool = False) -> PackedRow:
-    """``ring_runs``: also list each ring's whole context as runs (only the reference loop reads them)."""
-    spans, new_slots, positions, offset = [], [], [], 0
+         context_runs: bool = True) -> PackedRow:
+    """``context_runs``: list each sequence's whole context (and each ring's) as runs in its span; only the
+    reference loop reads them, so the batched kernels' forwards skip them (the new tokens' slots only)."""
+    spans, new_slots, offset = [], [], 0
     ring_slots: list[list[int]] = [[] for _ in range(pool.groups.window_groups)]
-    masks, levels, any_deepstack = [], [], False
+    levels, any_deepstack = [], False
     for item in items:
         q_len, end = item.q_len, item.start + item.q_len
-        context = pool.runs(item.blocks, 0, end)
+        context = pool.runs(item.blocks, 0 if context_runs else item.start, end)
         runs = []
         if pool.groups.windowed:
             _check_ring(pool, item)
             tables = pool.tables(item.blocks, item.rings)[1:]
             for ring, out in zip(tables, ring_slots):   # the new tokens' slots: their runs only
                 _new_slots(pool.table_runs(ring, item.start, end, ring=True), item.start, out)
-            if ring_runs:
+            if context_runs:
                 runs = [[(s, n) for _, s, n in pool.table_runs(ring, 0, end, ring=True)] for ring in tables]
-        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context], item.key_limits, runs))
+        spans.append(SequenceSpan(offset, q_len, [(slot, length) for _, slot, length in context] if context_runs else [],
+                                  item.key_limits, runs))
         _new_slots(context, item.start, new_slots)
-        positions.append(item_positions(item, kind))
         if item.deepstack is not None and item.deepstack.levels.shape[1]:
             any_deepstack = True
-            masks.append(item.deepstack.mask.to("cpu", torch.bool))
             levels.append(item.deepstack.levels)
-        else:
-            masks.append(torch.zeros(q_len, dtype=torch.bool))
         offset += q_len
-    position_ids = torch.cat(positions, dim=1).to(device)
+    position_ids = _position_ids(items, kind).to(device)
     position_ids = position_ids if kind == PositionKind.ONE_D else position_ids[:, None]
     embeds = torch.cat([i.embeds for i in items]).unsqueeze(0)
     visual_mask = deepstack = None
     if any_deepstack:
+        masks = [i.deepstack.mask.to("cpu", torch.bool) if i.deepstack is not None and i.deepstack.levels.shape[1]
+                 else torch.zeros(i.q_len, dtype=torch.bool) for i in items]
         visual_mask = torch.cat(masks)[None].to(device)
         stacked = torch.cat(levels, dim=1).to(device, embeds.dtype)
         deepstack = list(stacked.unbind(0))

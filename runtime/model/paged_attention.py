@@ -8,8 +8,8 @@ the stock SDPA path, so one loaded model serves both.
 
 Packed layout: all sequences' new tokens are concatenated into one row
 ``[1, T]``. ``slot_mapping[t]`` is the flat pool slot of new token ``t``;
-``context_runs[i]`` lists sequence ``i``'s whole context, ending with its new
-tokens, as runs of adjacent slots. Invariant: the new tokens are the last
+``context_runs[i]`` (listed only for the reference loop) is sequence ``i``'s whole
+context, ending with its new tokens, as runs of adjacent slots. Invariant: the new tokens are the last
 ``q_len`` of the context. On a windowed pool (``kv_pool``) a sliding layer's page
 group has its own ``ring_slot_mappings`` entry and ``SequenceSpan.ring_runs``
 (``PagedBatch.group(layer)`` says which); a layer that reads another layer's KV

@@ -14,7 +14,7 @@ from runtime.model.kv_layout import PageGroups
 class SequenceSpan:
     q_offset: int            # first of this sequence's new tokens in the packed row
     q_len: int               # number of new tokens
-    context_runs: list[tuple[int, int]]  # (first slot, length) covering positions 0..ctx_len-1 in order
+    context_runs: list[tuple[int, int]]  # (first slot, length) covering positions 0..ctx_len-1 in order (reference loop only)
     key_limit: torch.Tensor | None = None  # [q_len]: last key position each new token sees (None: causal)
     ring_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # per ring group, as context_runs
 

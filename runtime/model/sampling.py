@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,7 +39,8 @@ import torch
 from runtime.model import logits_processors as lp
 from runtime.model.logits_processors import SamplingContext
 
-__all__ = ["SampledToken", "SamplingContext", "SamplingParams", "TokenLogprob", "for_choice", "sample", "sample_token"]
+__all__ = ["SampledToken", "SamplingContext", "SamplingParams", "TokenLogprob", "for_choice", "greedy_tokens", "sample",
+           "sample_token"]
 
 # Below this temperature sampling is greedy: dividing logits by a (possibly subnormal) tiny
 # temperature overflows to inf and softmax turns it into NaN. vLLM draws the same line.
@@ -101,6 +103,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with every processor neutral and no logprobs or grammar: the token is the logits' argmax
+        (what ``greedy_tokens`` computes for many sequences at once)."""
+        return (self.greedy and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0 and self.min_tokens == 0 and self.logprobs is None
+                and self.grammar is None)
 
     @property
     def needs_prompt_ids(self) -> bool:
@@ -173,6 +183,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, ctx: SamplingContext, p
         values, ids = torch.topk(logprobs, min(params.logprobs, logprobs.numel()))
         top = tuple(TokenLogprob(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist()))
     return SampledToken(token, float(logprobs[token]), top)
+
+
+def greedy_tokens(rows: Sequence[torch.Tensor]) -> list[int]:
+    """``sample``'s token for each row ``[vocab]`` whose parameters are ``plain_greedy``, in one argmax call
+    (the processors are neutral and float32 -> float64 keeps the order, so this is the same argmax)."""
+    return torch.argmax(torch.stack(list(rows)), dim=-1).tolist()
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
