@@ -9,6 +9,7 @@ anything is inserted when the lease it was given is no longer the reservation's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -110,19 +111,26 @@ class GenerateSteps:
         keys, grids = [im.cache_key for im in request.images], ref_grids(request.images)
         if len(token_ids) != res.prompt_tokens or token_digest(token_ids, keys, grids, res.rope_delta) != res.token_digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prompt does not match the reservation's digest")
+        refs = list(request.images)
+        prompt = None
         try:
-            embeddings = await self._fetch_uncached(request, res, deadline)
+            if not res.shared and self.local_encoder.carries_bytes(refs):   # encoded here: prepared in the same call
+                _, prompt = await self.local_encoder.encode_then(request.request_id, refs,
+                                                                 functools.partial(self.adapter.prepare, token_ids))
+            else:
+                embeddings = await self._fetch_uncached(request, res, deadline)
         except EmbeddingFetchError as exc:   # the request's images, not this worker: see runtime/worker/rpc_failure.py
             await abort_with(context, FailureKind.EMBEDDING_FETCH, grpc.StatusCode.FAILED_PRECONDITION,
                              f"embedding fetch failed: {exc}")
-        except AdapterInputError as exc:   # bytes sent to encode here that are not the ref's image
+        except AdapterInputError as exc:   # bytes that are not the ref's image, or a prompt that does not fit them
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not res.holds(lease):
             await context.abort(grpc.StatusCode.ABORTED, "reservation released while fetching embeddings")
-        try:
-            prompt = await torch_thread.run(self.adapter.prepare, token_ids, embeddings)
-        except AdapterInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if prompt is None:
+            try:
+                prompt = await torch_thread.run(self.adapter.prepare, token_ids, embeddings)
+            except AdapterInputError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         problem = self.rope_delta.problem(res.rope_delta, prompt.rope_delta, "the prompt's positions")
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)

@@ -1,11 +1,12 @@
 """A colocated request's images encoded on this decode worker, from the bytes its refs carry.
 
 The gateway puts each image's bytes in ``ImageRef.image_data`` on a colocated ``Generate`` when
-the tower's estimated time is within its ``colocated_encode_max_ms`` (``gateway/encoder_step.py``):
-the first token then skips a hop through the encoder and back. Per image, on the torch thread:
-decode the bytes, re-derive the salted content key from them in the ref's layout variant (a ref
-whose key is not its content's is refused before anything is encoded: ``LocalImageError``, like the
-encoder's own check), encode, and check the grid against the ref's.
+the tower's estimated time, with the encodes it sent there before still ahead, is within its
+``colocated_encode_max_ms`` (``gateway/encoder_step.py``): the first token then skips a hop through
+the encoder and back. Per image, on the torch thread: decode the bytes, re-derive the salted content
+key from them in the ref's layout variant (a ref whose key is not its content's is refused before
+anything is encoded: ``LocalImageError``, like the encoder's own check), encode, and check the grid
+against the ref's; ``encode_then`` also prepares the prompt in that same call.
 
 The embeddings then go to the encoder each ref names (``Encoder.Store``), in the background, so a
 repeat of the image is a cache hit there. A store starts once its request's first token is out
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from PIL import Image
 
@@ -40,6 +42,8 @@ from runtime.worker.peers import UnknownPeerError
 from runtime.worker.wire import ref_grids, tensor_to_pb
 
 log = logging.getLogger("epd.decode")
+
+T = TypeVar("T")
 
 STORE_TIMEOUT_S = 10.0      # one Store call to an encoder
 STORE_CLOSE_WAIT_S = 2.0    # what ``close`` gives the stores still in flight
@@ -69,14 +73,26 @@ class LocalEncoder:
     async def encode(self, request_id: str, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
         """The refs' embeddings, computed here; their store to the encoders waits for ``start_stores``.
         ``UnknownEncoderError`` (before any work) when a ref names an encoder discovery does not list."""
+        records, _ = await self.encode_then(request_id, refs, None)
+        return records
+
+    async def encode_then(self, request_id: str, refs: Sequence[pb.ImageRef],
+                          then: Callable[[list[ImageEmbedding]], T] | None) -> tuple[list[ImageEmbedding], T | None]:
+        """``encode``, and ``then(embeddings)`` right after it in the same torch-thread call (the prompt's
+        preparation: one hand-off to that thread instead of two on the first token's path). An error of
+        ``then`` propagates; the images it leaves are not stored (their request fails)."""
         try:
             await self.fetcher.require_encoders(refs)
         except UnknownPeerError as exc:
             raise UnknownEncoderError(str(exc)) from exc
-        records = await torch_thread.run(self._encode, refs)
+        records, after = await torch_thread.run(self._encode_then, refs, then)
         self.encoded += len(records)
         self._hold_stores(request_id, refs, records)
-        return records
+        return records, after
+
+    def _encode_then(self, refs: Sequence[pb.ImageRef], then) -> tuple[list[ImageEmbedding], object]:
+        records = self._encode(refs)
+        return records, (None if then is None else then(records))
 
     def _encode(self, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
         images = [self._image(ref) for ref in refs]
