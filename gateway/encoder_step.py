@@ -14,7 +14,8 @@ key, salt, layout variant and encoder address, no bytes; the worker fetches the 
 unless the ref carries it: an embedding of at most ``inline_up_to_bytes`` (``EPD_INLINE_EMBEDDING_BYTES``)
 comes back with ``Encode`` and rides inline on the ref (one fetch RPC less on the first token's path).
 A colocated request whose images are all new may skip the encoder: ``encode_on_decode`` (its
-estimated encode within ``colocated_encode_max_ms``, ``EPD_COLOCATED_ENCODE_MAX_MS``) sends
+estimated encode, plus what is left of the encodes sent to that decode worker before it, within
+``colocated_encode_max_ms``, ``EPD_COLOCATED_ENCODE_MAX_MS``) sends
 each image's bytes on the ``Generate`` instead (``ImageRef.image_data``), and the decode worker
 encodes them and stores the embeddings with ``plan.encoder`` (``decode_svc/local_encode.py``).
 Salted keys everywhere (seen_images, Cached, Encode, the breakdown's hit count): a
@@ -65,14 +66,26 @@ class EncoderStep:
         self.seen_images = seen_images
         self.inline_up_to_bytes = inline_up_to_bytes
         self.colocated_encode_max_ms = colocated_encode_max_ms
+        self._encodes_end: dict[str, float] = {}   # decode worker -> monotonic time the encodes sent there should end
 
-    def encode_on_decode(self, plan: ImagePlan, cost_model: CostModel) -> bool:
-        """Whether a colocated request's images go to its decode worker as bytes, to be encoded there:
-        none known cached (a hit is cheaper at the encoder), and their encode estimated at most
-        ``colocated_encode_max_ms``, the stall it may put on that worker's other sequences."""
+    def encode_on_decode(self, plan: ImagePlan, cost_model: CostModel, decode_worker: str) -> bool:
+        """Whether a colocated request's images go to ``decode_worker`` as bytes, to be encoded there:
+        none known cached (a hit is cheaper at the encoder), and the stall it may put on that worker's
+        other sequences within ``colocated_encode_max_ms``: their estimated encode plus what is left of
+        the encodes this gateway sent there before (they run one after another on that worker's model
+        thread, between its steps, so a burst's encodes add up to one gap). Each image sent there
+        extends that worker's expected end of encodes by its estimate; the end passes with time."""
         if not plan.needs_encode or plan.n_cached or self.colocated_encode_max_ms <= 0:
             return False
-        return cost_model.encode_ms(len(plan.refs)) <= self.colocated_encode_max_ms
+        now = time.monotonic()
+        for worker in [w for w, end in self._encodes_end.items() if end <= now]:   # passed: nothing left there
+            del self._encodes_end[worker]
+        estimate = cost_model.encode_ms(len(plan.refs))
+        ahead_ms = max(0.0, self._encodes_end.get(decode_worker, now) - now) * 1000
+        if ahead_ms + estimate > self.colocated_encode_max_ms:
+            return False
+        self._encodes_end[decode_worker] = now + (ahead_ms + estimate) / 1000
+        return True
 
     def sent_to_decode(self, plan: ImagePlan, breakdown: dict[str, float]) -> None:
         """The images went to the decode worker as bytes: it encodes them and hands the embeddings to

@@ -148,7 +148,8 @@ class Orchestrator:
             skipped = frozenset(range(len(images.refs))) - set(prefix.images_needed(expected)) if expected else frozenset()
 
             # all new, and cheap enough: the decode worker encodes them itself from the bytes
-            on_decode = colocated and not skipped and self.encoder_step.encode_on_decode(images, self.admission.cost_model)
+            on_decode = colocated and not skipped and self.encoder_step.encode_on_decode(
+                images, self.admission.cost_model, decision.decode_worker)
 
             async def encode() -> None:   # the handoff runs it beside Decode.Reserve
                 if on_decode:
