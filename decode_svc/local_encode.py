@@ -17,7 +17,13 @@ with the store beside the step). A failed store only loses that cache entry (log
 ``store_failures``): the next request with the image is encoded again; so does a repeat that
 arrives before the store lands, which costs that one encode.
 
-Lifecycle: ``_pending`` holds each request's stores from its encode until ``start_stores``;
+Encodes that wait for the model thread together run as one batch through the tower (``_drain``: each
+turn takes every encode waiting, no window, so a lone request never waits for company; a burst's
+images are encoded in one call, as the encoder's batcher does); a member whose bytes, key, mode or
+size fail its checks fails alone.
+
+Lifecycle: ``_waiting`` holds encodes until the drain task (``_drainer``, alive while any wait) takes
+them; ``_pending`` holds each request's stores from its encode until ``start_stores``;
 ``_stores`` the store tasks in flight (each removes itself when done); ``close`` gives them
 ``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest (pending ones are dropped).
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -49,6 +56,26 @@ STORE_TIMEOUT_S = 10.0      # one Store call to an encoder
 STORE_CLOSE_WAIT_S = 2.0    # what ``close`` gives the stores still in flight
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """One request's encode waiting for the model thread; ``done`` gets ``(records, then(records))`` or
+    the request's own error."""
+
+    refs: Sequence[pb.ImageRef]
+    then: Callable | None
+    done: asyncio.Future
+
+
+def _settle(batch: list[_Waiting], outcomes: list[object]) -> None:
+    for w, outcome in zip(batch, outcomes):
+        if w.done.done():   # its request went away meanwhile
+            continue
+        if isinstance(outcome, BaseException):
+            w.done.set_exception(outcome)
+        else:
+            w.done.set_result(outcome)
+
+
 class LocalImageError(AdapterInputError):
     """A ref's bytes are not an image, or not the image its cache key names."""
 
@@ -64,6 +91,8 @@ class LocalEncoder:
         self.store_failures = 0   # embeddings that did not reach their encoder's cache
         self._stores: set[asyncio.Task] = set()
         self._pending: dict[str, list[tuple[str, list[tuple[str, ImageEmbedding]]]]] = {}   # request id -> stores
+        self._waiting: list[_Waiting] = []          # encodes for the next model-thread call
+        self._drainer: asyncio.Task | None = None   # runs them while any wait
 
     @staticmethod
     def carries_bytes(refs: Sequence[pb.ImageRef]) -> bool:
@@ -85,23 +114,66 @@ class LocalEncoder:
             await self.fetcher.require_encoders(refs)
         except UnknownPeerError as exc:
             raise UnknownEncoderError(str(exc)) from exc
-        records, after = await torch_thread.run(self._encode_then, refs, then)
+        waiting = _Waiting(refs, then, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain(), name="local-encode")
+        records, after = await waiting.done
         self.encoded += len(records)
         self._hold_stores(request_id, refs, records)
         return records, after
 
-    def _encode_then(self, refs: Sequence[pb.ImageRef], then) -> tuple[list[ImageEmbedding], object]:
-        records = self._encode(refs)
-        return records, (None if then is None else then(records))
+    async def _drain(self) -> None:
+        """Run the waiting encodes, all that wait at each turn in one model-thread call, until none wait."""
+        try:
+            while self._waiting:
+                batch, self._waiting = [w for w in self._waiting if not w.done.done()], []
+                if not batch:
+                    continue
+                try:
+                    outcomes = await torch_thread.run(self._encode_batch, batch)
+                except Exception as exc:   # the tower failed: every member with it
+                    outcomes = [exc] * len(batch)
+                except BaseException:      # cancelled (the worker stops): no member waits forever
+                    _settle(batch, [RuntimeError("decode worker stopping")] * len(batch))
+                    raise
+                _settle(batch, outcomes)
+        finally:
+            self._drainer = None
 
-    def _encode(self, refs: Sequence[pb.ImageRef]) -> list[ImageEmbedding]:
-        images = [self._image(ref) for ref in refs]
-        records = self.adapter.encode_images(images, [ref.layout_variant for ref in refs])
-        for ref, grid, record in zip(refs, ref_grids(refs), records):
-            if grid != record.grid:
-                raise LocalImageError(f"image {ref.cache_key[:12]} has grid {record.grid} here, "
-                                      f"{grid} in the request: the gateway's processor settings differ")
-        return records
+    def _encode_batch(self, batch: list["_Waiting"]) -> list[object]:
+        """Each member's ``(records, then(records))`` or its own ``AdapterInputError``: the images of every
+        member whose bytes check out, through the tower as one batch (the encoder's batcher does the same)."""
+        outcomes: list[object] = [None] * len(batch)
+        images, variants, owner = [], [], []
+        for i, w in enumerate(batch):
+            try:   # this member's bytes, key, mode and size: its own error, not the batch's
+                ims = [self.adapter.validate_image(self._image(ref)) for ref in w.refs]
+                for ref in w.refs:
+                    self.adapter.check_variant(ref.layout_variant)
+            except AdapterInputError as exc:
+                outcomes[i] = exc
+                continue
+            images += ims
+            variants += [ref.layout_variant for ref in w.refs]
+            owner += [i] * len(ims)
+        records = self.adapter.encode_images(images, variants) if images else []
+        mine: dict[int, list[ImageEmbedding]] = {}
+        for i, record in zip(owner, records):
+            mine.setdefault(i, []).append(record)
+        for i, w in enumerate(batch):
+            if outcomes[i] is not None:
+                continue
+            try:
+                own = mine[i]
+                for ref, grid, record in zip(w.refs, ref_grids(w.refs), own):
+                    if grid != record.grid:
+                        raise LocalImageError(f"image {ref.cache_key[:12]} has grid {record.grid} here, "
+                                              f"{grid} in the request: the gateway's processor settings differ")
+                outcomes[i] = (own, None if w.then is None else w.then(own))
+            except AdapterInputError as exc:
+                outcomes[i] = exc
+        return outcomes
 
     def _image(self, ref: pb.ImageRef) -> Image.Image:
         """The ref's image as decoded, once its content key is the ref's."""
@@ -143,6 +215,10 @@ class LocalEncoder:
                         request_id, len(items), address, exc)
 
     async def close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.cancel()
+        waiting, self._waiting = self._waiting, []
+        _settle(waiting, [RuntimeError("decode worker stopping")] * len(waiting))
         if self._stores:
             await asyncio.wait(set(self._stores), timeout=STORE_CLOSE_WAIT_S)
         for task in list(self._stores):
