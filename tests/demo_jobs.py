@@ -42,3 +42,20 @@ async def run(orch: Orchestrator, processor, job: ChatJob) -> str:
     """The job's reply text, generated through ``orch``."""
     tokens = [t async for ev in orch.generate(job) for t in ev.token_ids]
     return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def greedy_reference(adapter, seed: int, question: str, max_tokens: int):
+    """A one-image question about the shape drawn from ``seed``, as the demo model's own ``generate()`` answers
+    it: ``(prompt ids, image, greedy output without its EOS)``."""
+    processor, eos = adapter.processor, set(adapter.eos_token_ids)
+    image = draw_shape(random.Random(seed)).image
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}], add_generation_prompt=True)
+    enc = processor(images=[image], text=text, return_tensors="pt")
+    new = adapter.model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)[0, enc["input_ids"].shape[1]:]
+    expected = []
+    for t in new.tolist():
+        if t in eos:
+            break
+        expected.append(t)
+    return enc["input_ids"][0].tolist(), image, expected

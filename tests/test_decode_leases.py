@@ -14,7 +14,6 @@ against a snapshot of the second request's landed KV.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,13 +22,14 @@ import grpc
 import pytest
 import torch
 from cluster import DEMO_MODEL
+from demo_jobs import greedy_reference
 
 from decode_svc.request_status import DecodeStatus
 from decode_svc.scheduler import Sequence
 from decode_svc.servicer import DecodeServicer
 from proto.epd.v1 import epd_pb2 as pb
 from proto.epd.v1 import epd_pb2_grpc as pb_grpc
-from runtime.demo_model.shapes import QUESTIONS, draw_shape
+from runtime.demo_model.shapes import QUESTIONS
 from cache.embedding_fetch import EmbeddingFetcher
 from runtime.worker.peers import PeerDirectory
 from runtime.model.kv_pool import KVBlockPool
@@ -65,22 +65,11 @@ def adapter() -> VLMAdapter:
 
 @pytest.fixture(scope="module")
 def prompts(adapter) -> list[Prompt]:
-    processor, eos = adapter.processor, set(adapter.eos_token_ids)
     out = []
     for seed in range(3):
-        sample = draw_shape(random.Random(seed))
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[seed % len(QUESTIONS)]}]}],
-            add_generation_prompt=True)
-        enc = processor(images=[sample.image], text=text, return_tensors="pt")
         with torch.inference_mode():
-            new = adapter.model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:]
-        expected = []
-        for t in new.tolist():
-            if t in eos:
-                break
-            expected.append(t)
-        out.append(Prompt(enc["input_ids"][0].tolist(), f"image-{seed}", adapter.encode([sample.image])[0], expected))
+            ids, image, expected = greedy_reference(adapter, seed, QUESTIONS[seed % len(QUESTIONS)], MAX_TOKENS)
+        out.append(Prompt(ids, f"image-{seed}", adapter.encode([image])[0], expected))
     assert out[0].ids != out[1].ids
     return out
 

@@ -10,16 +10,16 @@ order); the greedy ones must equal ``model.generate()``.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 import torch
 from cluster import DEMO_MODEL
+from demo_jobs import greedy_reference
 
 from decode_svc.reservations import ReservationTable
 from decode_svc.scheduler import DecodeScheduler, Sequence
-from runtime.demo_model.shapes import QUESTIONS, draw_shape
+from runtime.demo_model.shapes import QUESTIONS
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
 from runtime.model.sampling import SamplingParams
@@ -41,21 +41,10 @@ def adapter() -> VLMAdapter:
 @pytest.fixture(scope="module")
 def prompts(adapter) -> list[tuple[list[int], torch.Tensor, list[int]]]:
     """(prompt ids, image embedding, greedy ``generate()`` output without EOS) for three images."""
-    processor, eos = adapter.processor, set(adapter.eos_token_ids)
     out = []
     for seed in range(3):
-        image = draw_shape(random.Random(seed)).image
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[seed % len(QUESTIONS)]}]}],
-            add_generation_prompt=True)
-        enc = processor(images=[image], text=text, return_tensors="pt")
-        new = adapter.model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:]
-        expected = []
-        for t in new.tolist():
-            if t in eos:
-                break
-            expected.append(t)
-        out.append((enc["input_ids"][0].tolist(), adapter.encode([image])[0], expected))
+        ids, image, expected = greedy_reference(adapter, seed, QUESTIONS[seed % len(QUESTIONS)], MAX_TOKENS)
+        out.append((ids, adapter.encode([image])[0], expected))
     return out
 
 
