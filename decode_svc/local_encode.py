@@ -141,9 +141,10 @@ class LocalEncoder:
         finally:
             self._drainer = None
 
-    def _encode_batch(self, batch: list["_Waiting"]) -> list[object]:
-        """Each member's ``(records, then(records))`` or its own ``AdapterInputError``: the images of every
-        member whose bytes check out, through the tower as one batch (the encoder's batcher does the same)."""
+    def _encode_batch(self, batch: list[_Waiting]) -> list[object]:
+        """Each member's ``(records, then(records))`` or its own error: the images of every member whose
+        bytes check out, through the tower as one batch (the encoder's batcher does the same); only the
+        tower call itself is shared, so only its failure fails every member."""
         outcomes: list[object] = [None] * len(batch)
         images, variants, owner = [], [], []
         for i, w in enumerate(batch):
@@ -151,7 +152,7 @@ class LocalEncoder:
                 ims = [self.adapter.validate_image(self._image(ref)) for ref in w.refs]
                 for ref in w.refs:
                     self.adapter.check_variant(ref.layout_variant)
-            except AdapterInputError as exc:
+            except Exception as exc:
                 outcomes[i] = exc
                 continue
             images += ims
@@ -165,13 +166,13 @@ class LocalEncoder:
             if outcomes[i] is not None:
                 continue
             try:
-                own = mine[i]
+                own = mine.get(i, [])
                 for ref, grid, record in zip(w.refs, ref_grids(w.refs), own):
                     if grid != record.grid:
                         raise LocalImageError(f"image {ref.cache_key[:12]} has grid {record.grid} here, "
                                               f"{grid} in the request: the gateway's processor settings differ")
                 outcomes[i] = (own, None if w.then is None else w.then(own))
-            except AdapterInputError as exc:
+            except Exception as exc:   # its grid or its prompt: this member's alone
                 outcomes[i] = exc
         return outcomes
 
