@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-import os
 from typing import TypeVar
 
 from runtime.worker.host_cpu import model_cores
