@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from bench.harness.host import host_info
 from bench.harness.paths import RESULTS, ROOT
 from bench.harness.report import finish_results, fmt, markdown_table, results_header, settings_json
 from bench.harness.runs import run_load
+from bench.harness.scrape import counter_delta, scrape_counters
 from bench.harness.servers import epd_serve, free_port, wait_http
 from bench.harness.usage import wait_quiet
 from launcher.processes import stop_group
@@ -85,6 +87,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def placements(delta: dict[str, float]) -> dict[str, int]:
+    """``epd:placement_total``'s change over a run, per placement (colocated / disaggregated)."""
+    out: dict[str, int] = {}
+    for series, n in delta.items():
+        found = re.search(r'placement="([^"]+)"', series)
+        if found:
+            out[found[1]] = out.get(found[1], 0) + int(n)
+    return out
+
+
 def summarize(reports: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """One concurrency's rounds: each stack's medians, and how often B beat A (lower TTFT, more req/s)."""
     out: dict[str, Any] = {}
@@ -131,13 +143,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c, n in zip(args.concurrency, args.requests):
                 for name in order:
                     wait_quiet(list(procs.values()))
+                    before = scrape_counters(bases[name])
                     run = run_load(bases[name], args.name, requests=n, concurrency=c, image_pool=n,
                                    max_tokens=args.max_tokens, seed=args.seed + 100 * rnd + c,
                                    long_fraction=args.long_fraction, long_prompt_words=args.long_prompt_words,
                                    ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
-                    reports[c][name].append(run.report)
+                    placed = placements(counter_delta(before, scrape_counters(bases[name]), "epd:placement_total"))
+                    reports[c][name].append({**run.report, "placements": placed})
                     print(f"round {rnd} c{c} {name}: TTFT p50 {run.report['ttft_ms_p50']:.2f} ms, "
-                          f"{run.report['req_per_s']:.1f} req/s, failed {run.report['failed']}", file=sys.stderr)
+                          f"{run.report['req_per_s']:.1f} req/s, failed {run.report['failed']}, placed {placed}",
+                          file=sys.stderr)
     finally:
         stop_group(list(procs.values()))
     summary = {c: summarize(reports[c]) for c in args.concurrency}
