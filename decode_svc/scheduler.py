@@ -251,7 +251,7 @@ class DecodeScheduler:
             return
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
-        budget = self.step_budget.prefill_tokens(len(decoding))
+        budget = self.step_budget.prefill_tokens(len(decoding), len(self._prefilling))
         for seq in prefill_order(self._prefilling, self.step_budget.token_ms, time.monotonic()):
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break

@@ -35,11 +35,12 @@ def test_a_cheap_model_keeps_the_full_budget_and_a_prompt_never_starves():
     assert slow.prefill_tokens(16) == 16          # still one chunk of at least min_tokens
 
 
-def test_a_burst_of_waiting_prompts_does_not_widen_the_step():
-    """However many prompts wait for their first token, the step beside running decodes adds at most
-    one decode step's time of them: the running sequences' gap stays bounded through a burst."""
+def test_more_prompts_waiting_than_sequences_decoding_widen_the_step():
+    """A burst: each decode step between two prompt chunks delays every waiting prompt, so while more
+    prompts wait than sequences decode the step takes proportionally more of them (up to the full budget)."""
     b = StepBudget(256, stretch=1.0, floor_ms=0.0, min_tokens=1)
     b.observe(4, 0, 80.0)                         # a decode-only step of 4 sequences
     b.observe(0, 100, 200.0)                      # 2 ms a prompt token
-    assert b.prefill_tokens(4) == 40              # 80 ms of prompt beside an 80 ms step
-    assert b.prefill_tokens(1) == 40              # one sequence decoding among many waiting: the same
+    assert b.prefill_tokens(4) == b.prefill_tokens(4, 2) == b.prefill_tokens(4, 4) == 40   # the steady state
+    assert b.prefill_tokens(4, 12) == 120         # three prompts wait per decoding sequence: three times the time
+    assert b.prefill_tokens(1, 15) == 256         # never past the full budget
