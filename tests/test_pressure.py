@@ -174,6 +174,31 @@ def test_the_busy_clock_counts_only_waiting_time_and_keeps_one_horizon_of_spans(
     assert len(clock._spans) <= 11 and clock.busy_since(1100.0, 1090.0) == 5.0
 
 
+def test_the_busy_clock_reads_what_summing_its_spans_would():
+    """The running total against the spans themselves, over random waiting counts, read as the
+    pressure trackers read it: over the last window, whose start only moves forward."""
+    import random
+
+    from runtime.policy.busy_time import BusyClock
+
+    rng = random.Random(7)
+    clock, spans, since, now = BusyClock(horizon=5.0), [], None, 0.0
+    for _ in range(3000):
+        now += rng.expovariate(20.0)
+        waiting = rng.choice((0, 0, 1, 2))
+        clock.waiting_changed(now, waiting)
+        if waiting and since is None:
+            since = now
+        elif not waiting and since is not None:
+            spans.append((since, now))
+            since = None
+        if rng.random() < 0.3:
+            start = now - 2.0
+            expected = sum(max(0.0, end - max(begin, start)) for begin, end in spans)
+            expected += now - max(since, start) if since is not None else 0.0
+            assert abs(clock.busy_since(now, start) - expected) < 1e-9
+
+
 def test_overrun_quantile_must_be_a_fraction():
     import pytest
     with pytest.raises(ValueError):
