@@ -178,3 +178,20 @@ def test_a_failed_reservation_takes_no_reference():
     assert reserve(t, 9, 100, ks, reuse=True) is None        # too big even with the hit
     at_rest(t.pool)
     assert t.pool.lookup(ks) == 2
+
+
+def test_a_block_key_hashes_the_tokens_as_int64_bytes():
+    """The key format is shared by the gateway and every decode worker, across releases: a block's key
+    is blake3 of its parent's key and its tokens' int64 bytes (a change here only costs cache hits
+    while old and new processes mix, but it must not change by accident)."""
+    import blake3
+
+    from runtime.model.prefix_keys import KEY_BYTES, root_key
+
+    ids = [1, 2, 300000, 4, 5, 6, 7, 8]
+    expected, parent = [], root_key("fp", BS, "")
+    for i in range(2):
+        parent = blake3.blake3(parent + torch.tensor(ids[i * BS:(i + 1) * BS], dtype=torch.int64).numpy().tobytes()).digest(KEY_BYTES)
+        expected.append(parent)
+    assert keys(ids) == expected
+    assert keys(torch.tensor(ids)) == expected   # a tensor of ids keys as its list does

@@ -22,6 +22,7 @@ matches full keys).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ def block_keys(token_ids: Sequence[int], images: Sequence[ImageSpan], *, block_s
     full = len(token_ids) // block_size
     if limit is not None:
         full = min(full, limit)
-    ids = torch.tensor(list(token_ids[: full * block_size]), dtype=torch.int64).numpy()
+    ids = array("q", [int(t) for t in token_ids[: full * block_size]])   # int64 in machine order, as torch's bytes
     parent = root_key(model_fingerprint, block_size, cache_salt)
     keys: list[bytes] = []
     for i in range(full):
