@@ -134,14 +134,20 @@ class GatewayAdmission:
                      itl_slo_ms, pressure=self.pressure.inputs(), transfer_chunk_tokens=chunk, local_chunk_tokens=chunk)
 
     @staticmethod
-    def refusal(admission: Admission) -> AdmissionRefused:
-        """The 429 (503 without decode workers) for a refused ``admission``, counted by reason."""
+    def refusal(admission: Admission, remaining_ms: float) -> AdmissionRefused:
+        """The 429 (503 without decode workers) for a refused ``admission``, counted by reason; a refusal
+        on time carries the terms it weighed against the ``remaining_ms`` to the deadline."""
         m.ADMISSION_REJECTED.labels(admission.reason).inc()
         status = 503 if admission.reason == "no_decode_workers" else 429
+        terms = None
+        if admission.reason in ("ttft_deadline", "pipeline_backlog"):
+            terms = {"estimated_ttft_ms": admission.estimated_ttft_ms, "backlog_ms": admission.backlog_ms,
+                     "overrun_ms": admission.overrun_ms, "remaining_ms": remaining_ms}
         if admission.reason == "pipeline_backlog":
             return AdmissionRefused(status, "request refused at admission: the pipeline backlog exceeds the TTFT "
-                                            "deadline", admission.retry_after_s)
-        return AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s)
+                                            "deadline", admission.retry_after_s, terms)
+        return AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s,
+                                terms)
 
     def admitted(self, admission: Admission, shape: RequestShape, arrival_s: float,
                  breakdown: dict[str, float]) -> Ticket:

@@ -127,9 +127,11 @@ class ChatBackend(Protocol):
 
 
 class AdmissionRefused(Exception):
-    """The request was refused before any work; the client may retry after ``retry_after_s``."""
+    """The request was refused before any work; the client may retry after ``retry_after_s``.
+    ``terms``: what admission weighed (milliseconds: ``estimated_ttft_ms``, ``backlog_ms``,
+    ``overrun_ms``, ``remaining_ms``), for the request's record; empty where nothing was priced."""
 
-    def __init__(self, status: int, reason: str, retry_after_s: float):
+    def __init__(self, status: int, reason: str, retry_after_s: float, terms: dict[str, float] | None = None):
         if status not in (429, 503):
             raise ValueError(f"AdmissionRefused status must be 429 or 503, got {status}")
         if retry_after_s < 0:
@@ -138,6 +140,7 @@ class AdmissionRefused(Exception):
         self.status = status
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.terms = dict(terms or {})
 
 
 class DeadlineExceeded(Exception):

@@ -279,7 +279,8 @@ class ChatHandler(ChatReplies):
             error = self._count_failure(exc)
             self.journal_end(request_id, request.state.job, request.state.generation,
                              "internal" if error is None else failure_reason(error),
-                             500 if error is None else error.status)
+                             500 if error is None else error.status,
+                             exc.terms if isinstance(exc, AdmissionRefused) else None)
             if error is None:
                 raise
             error.headers.setdefault("x-request-id", request_id)
@@ -314,9 +315,12 @@ class ChatHandler(ChatReplies):
                                    wait_ms / 1000.0)
 
     def journal_end(self, request_id: str, job: ChatJob | None, generation: Generation | None, outcome: str,
-                    status: int) -> None:
-        """The request's one record (``gateway.request_journal``): called once on every path."""
+                    status: int, refused: dict[str, float] | None = None) -> None:
+        """The request's one record (``gateway.request_journal``): called once on every path. A refused
+        request's breakdown is what admission weighed (``refused``: ``AdmissionRefused.terms``)."""
         breakdown = dict(generation.ttft_breakdown) if generation is not None else {}
+        if refused and not breakdown:
+            breakdown = {k: round(v, 3) for k, v in refused.items()}
         self.journal.ended(RequestRecord(
             request_id, outcome, status,
             placement=job.placement if job else "", placement_reason=job.placement_reason if job else "",

@@ -133,7 +133,7 @@ class Orchestrator:
                 s.set_attribute("epd.admitted", admission.ok)
                 s.set_attribute("epd.reason", admission.reason or "")
         if not admission.ok:
-            raise self.admission.refusal(admission)
+            raise self.admission.refusal(admission, remaining_ms)
         decision = admission.decision
         job.placement, job.placement_reason = decision.placement, decision.reason
         with span("gateway.placement", **rid, **{"epd.placement": decision.placement,

@@ -204,6 +204,7 @@ def test_admit_refuses_a_missed_deadline_with_retry_after() -> None:
     assert not verdict.ok and verdict.decision is None
     assert verdict.reason == "ttft_deadline"
     assert verdict.retry_after_s == 4  # (4200 + 370 - 600) ms of queue must drain
+    assert verdict.estimated_ttft_ms == pytest.approx(4200.0 + 370.0, abs=1.0)   # the estimate it refused on
 
 
 def test_admit_refuses_without_decode_capacity() -> None:
@@ -224,6 +225,8 @@ def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline()
     assert fits.ok and (fits.backlog_ms, fits.overrun_ms) == (pytest.approx(200.0), 50.0)
     late = admit(LONG, state, CM, "conditional", ttft + 249.0, 150.0, pressure=queued)
     assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)
+    # what it weighed, for the refused request's record
+    assert (late.estimated_ttft_ms, late.backlog_ms, late.overrun_ms) == (pytest.approx(ttft), pytest.approx(200.0), 50.0)
 
 
 def test_an_empty_pipeline_is_judged_by_its_stage_estimates_alone() -> None:

@@ -71,7 +71,8 @@ def test_every_finished_request_logs_one_structured_line(client, captured):
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
     bad = chat(client, max_tokens=-1)
     assert bad.status_code == 400
-    client.backend.refuse = AdmissionRefused(429, "request refused at admission: test", 1.0)
+    terms = {"estimated_ttft_ms": 109.0, "backlog_ms": 1083.333, "overrun_ms": 254.9, "remaining_ms": 1990.5}
+    client.backend.refuse = AdmissionRefused(429, "request refused at admission: test", 1.0, terms)
     refused = chat(client)
     assert refused.status_code == 429
 
@@ -89,6 +90,7 @@ def test_every_finished_request_logs_one_structured_line(client, captured):
     assert stream["outcome"] in ("stop", "length") and stream["ttft_ms"] > 0
     assert (client_error["outcome"], client_error["status"], client_error["ttft_ms"]) == ("client_error", 400, None)
     assert (refusal["outcome"], refusal["status"]) == ("refused", 429)
+    assert refusal["breakdown"] == terms   # what admission weighed, to tell a refusal storm's cause
     assert len(text_lines.lines) == 4
     assert f"request {ok.headers['x-request-id']} {done['outcome']}:" in text_lines.lines[0]
     assert "breakdown={" in text_lines.lines[0]

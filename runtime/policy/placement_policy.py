@@ -109,6 +109,7 @@ class Admission:
     retry_after_s: int  # 0 when admitted, else >= 1
     backlog_ms: float = 0.0  # the pressure's backlog the deadline check added
     overrun_ms: float = 0.0  # ... and its misprediction margin
+    estimated_ttft_ms: float = 0.0  # refused on time (ttft_deadline, pipeline_backlog): the best placement's estimate
 
 
 # ---- estimates --------------------------------------------------------------------
@@ -413,10 +414,12 @@ def admit(
         return Admission(False, None, "no_decode_capacity", retry_after_s(min(w.slot_wait_ms for w in loads.decode)))
     excess = decision.estimates["ttft_ms"] - ttft_deadline_ms
     if excess > 0:
-        return Admission(False, None, "ttft_deadline", retry_after_s(excess))
+        return Admission(False, None, "ttft_deadline", retry_after_s(excess),
+                         estimated_ttft_ms=decision.estimates["ttft_ms"])
     if pressure is None:
         return Admission(True, decision, decision.reason, 0)
     backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
     if excess + backlog + overrun > 0:
-        return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun)
+        return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun,
+                         decision.estimates["ttft_ms"])
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
