@@ -4,9 +4,10 @@
 (finished, refused, failed, cancelled). The line carries the request id, placement and its
 reason, prompt and completion tokens, TTFT and its breakdown (the same object the client
 gets in ``x-epd-ttft-breakdown``; for a request admission refused on time, what it weighed:
-``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms`` against ``remaining_ms``) and the outcome: a finish reason (``stop``, ``length``) or
-the failure reason of ``epd:request_failure_total`` (``refused``, ``deadline``, ``backend``,
-``cancelled``, ``client_error``, ``internal``). With ``--log-format json`` its fields are the
+``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms`` against ``remaining_ms``) and the
+outcome: a finish reason (``stop``, ``length``) or the failure reason of
+``epd:request_failure_total`` (``refused``, ``deadline``, ``backend``, ``cancelled``,
+``client_error``, ``internal``). With ``--log-format json`` its fields are the
 line's top-level keys (``runtime/worker/log_format.py``).
 """
 
