@@ -229,6 +229,24 @@ def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline()
     assert (late.estimated_ttft_ms, late.backlog_ms, late.overrun_ms) == (pytest.approx(ttft), pytest.approx(200.0), 50.0)
 
 
+def test_the_backlog_and_the_reported_queue_are_one_wait_counted_once() -> None:
+    """A burst the decode worker has reported queued is in the estimate already; the pressure's backlog
+    (the same waiting requests over their first-token rate) adds only what it sees beyond that."""
+    queued = loads(busy(running=0, queue_wait_ms=900.0))
+    decision = admit(SHORT, queued, CM, "colocated", 60_000.0, 150.0).decision
+    assert decision is not None and decision.estimates["queue_ms"] == pytest.approx(900.0)
+    ttft = decision.estimates["ttft_ms"]
+    burst = Pressure(waiting=10, first_token_rate_per_s=10.0, overrun_ms=100.0)   # 1000 ms of backlog
+    fits = admit(SHORT, queued, CM, "colocated", ttft + 250.0, 150.0, pressure=burst)   # 1000 less the 900 estimated
+    assert fits.ok and fits.backlog_ms == pytest.approx(1000.0)   # reported whole (the margin is learnt against it)
+    late = admit(SHORT, queued, CM, "colocated", ttft + 150.0, 150.0, pressure=burst)
+    assert (late.ok, late.reason) == (False, "pipeline_backlog")
+    unreported = loads(busy(running=0))   # the worker has not reported the burst yet: the backlog counts whole
+    ttft0 = admit(SHORT, unreported, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
+    assert admit(SHORT, unreported, CM, "colocated", ttft0 + 1150.0, 150.0, pressure=burst).ok
+    assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 1050.0, 150.0, pressure=burst).ok
+
+
 def test_an_empty_pipeline_is_judged_by_its_stage_estimates_alone() -> None:
     """A burst's margin (recent first tokens much later than estimated) must not refuse a request
     that finds nothing waiting: refusals bring no first tokens to correct the margin, so a tight SLO
