@@ -247,6 +247,25 @@ def test_the_backlog_and_the_reported_queue_are_one_wait_counted_once() -> None:
     assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 1050.0, 150.0, pressure=burst).ok
 
 
+def test_the_margin_corrects_the_backlog_not_a_reported_queue() -> None:
+    """The margin is how much later than backlog and estimate recent first tokens came, mostly the queue
+    of a burst its worker had not reported yet. Once the report holds that queue, the margin must not
+    be added on top of it: the backlog plus its margin and the reported queue are one wait."""
+    queued = loads(busy(running=0, queue_wait_ms=900.0))
+    ttft = admit(SHORT, queued, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
+    after_lag = Pressure(waiting=2, first_token_rate_per_s=10.0, overrun_ms=600.0)   # 200 ms backlog + 600 margin
+    fits = admit(SHORT, queued, CM, "colocated", ttft + 10.0, 150.0, pressure=after_lag)
+    assert fits.ok and (fits.backlog_ms, fits.overrun_ms) == (pytest.approx(200.0), 600.0)
+    more = Pressure(waiting=5, first_token_rate_per_s=10.0, overrun_ms=600.0)   # 500 + 600 = 200 beyond the queue
+    assert admit(SHORT, queued, CM, "colocated", ttft + 210.0, 150.0, pressure=more).ok
+    late = admit(SHORT, queued, CM, "colocated", ttft + 190.0, 150.0, pressure=more)
+    assert (late.ok, late.reason) == (False, "pipeline_backlog")
+    unreported = loads(busy(running=0))   # nothing reported: backlog and margin count whole
+    ttft0 = admit(SHORT, unreported, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
+    assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 790.0, 150.0, pressure=after_lag).ok
+    assert admit(SHORT, unreported, CM, "colocated", ttft0 + 810.0, 150.0, pressure=after_lag).ok
+
+
 def test_an_empty_pipeline_is_judged_by_its_stage_estimates_alone() -> None:
     """A burst's margin (recent first tokens much later than estimated) must not refuse a request
     that finds nothing waiting: refusals bring no first tokens to correct the margin, so a tight SLO

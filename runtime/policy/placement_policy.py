@@ -402,10 +402,13 @@ def admit(
     misprediction margin exceeds it; retry after both drain). The backlog (the requests admitted
     here and still waiting for a first token, over the rate they get one) and the estimate's own
     queue (``queue_ms``: the queued work the workers last reported ahead of it) are two measures of
-    one wait: the check adds only the backlog beyond that queue. Summed, a burst's queue counted
+    one wait, and so is the margin, learnt mostly from the queue of a burst no report showed yet: the
+    check adds only what backlog plus margin come to beyond that queue. Summed, a burst's queue counted
     twice as soon as a report showed it (bench-short: an estimate of 1041 ms, 16 of it the request's
     own work, plus a 494 ms backlog and a 559 ms margin against 1998 ms left refused 19 of 48
-    requests; the TTFTs of those admitted just before were 0.7-1.1 s). ``backlog_ms`` stays the whole
+    requests; the TTFTs of those admitted just before were 0.7-1.1 s; with the backlog counted once,
+    an estimate of 1175 ms and a 956 ms margin against 1995 ms left refused 20 of 48, those admitted
+    just before had 0.75-1.43 s). ``backlog_ms`` stays the whole
     backlog, and the margin is learnt against the estimate plus it, as before: learnt against the
     estimate plus only the backlog beyond its queue, TTFT p50 rose in 17 of 22 bench-short rounds
     (bench/RESULTS.md). The placement itself is
@@ -431,8 +434,8 @@ def admit(
     if pressure is None:
         return Admission(True, decision, decision.reason, 0)
     backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
-    beyond = backlog - decision.estimates["queue_ms"]   # one wait, counted once (see the docstring)
-    if excess + (beyond if beyond > 0.0 else 0.0) + overrun > 0:
+    beyond = backlog + overrun - decision.estimates["queue_ms"]   # one wait, counted once (see the docstring)
+    if excess + (beyond if beyond > 0.0 else 0.0) > 0:
         return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun,
                          decision.estimates["ttft_ms"])
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
