@@ -141,8 +141,8 @@ class GatewayAdmission:
         status = 503 if admission.reason == "no_decode_workers" else 429
         terms = None
         if admission.reason in ("ttft_deadline", "pipeline_backlog"):
-            terms = {"estimated_ttft_ms": admission.estimated_ttft_ms, "backlog_ms": admission.backlog_ms,
-                     "overrun_ms": admission.overrun_ms, "remaining_ms": remaining_ms}
+            terms = {"estimated_ttft_ms": admission.estimated_ttft_ms, "estimated_queue_ms": admission.estimated_queue_ms,
+                     "backlog_ms": admission.backlog_ms, "overrun_ms": admission.overrun_ms, "remaining_ms": remaining_ms}
         if admission.reason == "pipeline_backlog":
             return AdmissionRefused(status, "request refused at admission: the pipeline backlog exceeds the TTFT "
                                             "deadline", admission.retry_after_s, terms)
@@ -157,6 +157,7 @@ class GatewayAdmission:
             raise ValueError("only an admitted request gets a ticket")
         m.PLACEMENT.labels(decision.placement, decision.reason).inc()
         breakdown["estimated_ttft_ms"] = decision.estimates.get("ttft_ms", 0.0)
+        breakdown["estimated_queue_ms"] = decision.estimates.get("queue_ms", 0.0)
         breakdown["backlog_ms"] = admission.backlog_ms
         breakdown["overrun_ms"] = admission.overrun_ms
         kv_bytes = 0.0

@@ -27,7 +27,7 @@ The RPC wrappers and what a failed RPC means are ``gateway/worker_rpc.py``; one 
 streams are ``gateway/attempt.py``.
 
 The first event's ``ttft_breakdown`` (milliseconds unless named otherwise): here
-``gateway_queue_ms``, ``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms``; from the encoder
+``gateway_queue_ms``, ``estimated_ttft_ms``, ``estimated_queue_ms``, ``backlog_ms``, ``overrun_ms``; from the encoder
 step ``encode_ms``, ``images_cache_hit``, ``images_prefix_cached`` (counts: images not
 encoded because the colocated decode worker holds their KV) and ``images_encoded_on_decode``; ``cached_tokens``, the prompt
 tokens the decode worker's prefix cache served (its Reserve reply); from decode's first event

@@ -4,7 +4,8 @@
 (finished, refused, failed, cancelled). The line carries the request id, placement and its
 reason, prompt and completion tokens, TTFT and its breakdown (the same object the client
 gets in ``x-epd-ttft-breakdown``; for a request admission refused on time, what it weighed:
-``estimated_ttft_ms``, ``backlog_ms``, ``overrun_ms`` against ``remaining_ms``) and the
+``estimated_ttft_ms`` and the reported queue it holds, ``estimated_queue_ms``, ``backlog_ms``,
+``overrun_ms`` against ``remaining_ms``) and the
 outcome: a finish reason (``stop``, ``length``) or the failure reason of
 ``epd:request_failure_total`` (``refused``, ``deadline``, ``backend``, ``cancelled``,
 ``client_error``, ``internal``). With ``--log-format json`` its fields are the

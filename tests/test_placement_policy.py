@@ -227,6 +227,7 @@ def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline()
     assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)
     # what it weighed, for the refused request's record
     assert (late.estimated_ttft_ms, late.backlog_ms, late.overrun_ms) == (pytest.approx(ttft), pytest.approx(200.0), 50.0)
+    assert late.estimated_queue_ms == 0.0   # an idle worker reported no queue
 
 
 def test_the_backlog_and_the_reported_queue_are_one_wait_counted_once() -> None:
@@ -260,6 +261,7 @@ def test_the_margin_corrects_the_backlog_not_a_reported_queue() -> None:
     assert admit(SHORT, queued, CM, "colocated", ttft + 210.0, 150.0, pressure=more).ok
     late = admit(SHORT, queued, CM, "colocated", ttft + 190.0, 150.0, pressure=more)
     assert (late.ok, late.reason) == (False, "pipeline_backlog")
+    assert late.estimated_queue_ms == pytest.approx(900.0)   # in the refused request's record
     unreported = loads(busy(running=0))   # nothing reported: backlog and margin count whole
     ttft0 = admit(SHORT, unreported, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
     assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 790.0, 150.0, pressure=after_lag).ok

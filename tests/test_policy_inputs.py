@@ -321,3 +321,15 @@ def test_the_gateway_reads_where_a_worker_computes_from_its_stats() -> None:
     stats = pb.WorkerStats(role="prefill", address="p:1", host_id="boot-1", cpus=[0, 1], cpus_busy=0.75)
     report = worker_report("prefill", "p:1", stats, 0)
     assert (report.host_id, report.cpus, report.cpus_busy) == ("boot-1", (0, 1), 0.75)
+
+
+def test_a_refusal_on_time_carries_the_terms_admission_weighed() -> None:
+    """The refused request's record names each term, the reported queue inside the estimate too: a
+    refusal storm's cause is read from them (bench/RESULTS.md)."""
+    refused = Admission(False, None, "pipeline_backlog", 2, backlog_ms=601.0, overrun_ms=956.0,
+                        estimated_ttft_ms=1175.0, estimated_queue_ms=1044.0)
+    error = GatewayAdmission.refusal(refused, 1995.0)
+    assert (error.status, error.retry_after_s) == (429, 2)
+    assert error.terms == {"estimated_ttft_ms": 1175.0, "estimated_queue_ms": 1044.0, "backlog_ms": 601.0,
+                           "overrun_ms": 956.0, "remaining_ms": 1995.0}
+    assert GatewayAdmission.refusal(Admission(False, None, "no_decode_capacity", 1), 1995.0).terms == {}

@@ -112,6 +112,7 @@ class Admission:
     backlog_ms: float = 0.0  # the pressure's backlog the deadline check added
     overrun_ms: float = 0.0  # ... and its misprediction margin
     estimated_ttft_ms: float = 0.0  # refused on time (ttft_deadline, pipeline_backlog): the best placement's estimate
+    estimated_queue_ms: float = 0.0  # ... and the reported queue it holds (``queue_ms``)
 
 
 # ---- estimates --------------------------------------------------------------------
@@ -430,12 +431,12 @@ def admit(
     excess = decision.estimates["ttft_ms"] - ttft_deadline_ms
     if excess > 0:
         return Admission(False, None, "ttft_deadline", retry_after_s(excess),
-                         estimated_ttft_ms=decision.estimates["ttft_ms"])
+                         estimated_ttft_ms=decision.estimates["ttft_ms"], estimated_queue_ms=decision.estimates["queue_ms"])
     if pressure is None:
         return Admission(True, decision, decision.reason, 0)
     backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
     beyond = backlog + overrun - decision.estimates["queue_ms"]   # one wait, counted once (see the docstring)
     if excess + (beyond if beyond > 0.0 else 0.0) > 0:
         return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun,
-                         decision.estimates["ttft_ms"])
+                         decision.estimates["ttft_ms"], decision.estimates["queue_ms"])
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
