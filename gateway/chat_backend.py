@@ -128,8 +128,9 @@ class ChatBackend(Protocol):
 
 class AdmissionRefused(Exception):
     """The request was refused before any work; the client may retry after ``retry_after_s``.
-    ``terms``: what admission weighed (milliseconds: ``estimated_ttft_ms``, the reported queue it holds,
-    ``estimated_queue_ms``, ``backlog_ms``, ``overrun_ms``, ``remaining_ms``), for the request's record; empty where nothing was priced."""
+    ``terms``: what admission weighed (milliseconds: ``estimated_ttft_ms``, the reported queue it
+    holds, ``estimated_queue_ms``, ``backlog_ms``, ``overrun_ms``, ``remaining_ms``), for the
+    request's record; empty where nothing was priced."""
 
     def __init__(self, status: int, reason: str, retry_after_s: float, terms: dict[str, float] | None = None):
         if status not in (429, 503):

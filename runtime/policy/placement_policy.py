@@ -400,7 +400,7 @@ def admit(
     has the KV blocks it needs; retry after the soonest slot frees); ``ttft_deadline``
     (the best placement's estimated TTFT exceeds the time left; retry after the excess
     drains); ``pipeline_backlog`` (that estimate plus the ``pressure``'s backlog and
-    misprediction margin exceeds it; retry after both drain). The backlog (the requests admitted
+    misprediction margin exceeds it; retry after what it exceeds by drains). The backlog (the requests admitted
     here and still waiting for a first token, over the rate they get one) and the estimate's own
     queue (``queue_ms``: the queued work the workers last reported ahead of it) are two measures of
     one wait, and so is the margin, learnt mostly from the queue of a burst no report showed yet: the
@@ -437,6 +437,6 @@ def admit(
     backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
     beyond = backlog + overrun - decision.estimates["queue_ms"]   # one wait, counted once (see the docstring)
     if excess + (beyond if beyond > 0.0 else 0.0) > 0:
-        return Admission(False, None, "pipeline_backlog", retry_after_s(backlog + overrun), backlog, overrun,
+        return Admission(False, None, "pipeline_backlog", retry_after_s(excess + beyond), backlog, overrun,
                          decision.estimates["ttft_ms"], decision.estimates["queue_ms"])
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
