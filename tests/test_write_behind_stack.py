@@ -4,8 +4,9 @@ Real processes (one encoder, one decode, one prefill worker; the demo model) sha
 cache, and the gateway's Orchestrator with inline embeddings off: every request's prompt stage (decode
 when colocated, prefill when disaggregated) fetches its image by key right after the Encode reply, from
 Redis when the encoder's write-behind has landed, else from that encoder, which holds it in memory
-(``cache/embedding_fetch.py``). Each request is a new image: it is answered correctly in both placements,
-its entry then reaches Redis, and nothing is held afterwards, no encode lock included (``tests/leaks.py``).
+(``cache/embedding_fetch.py``). Each request is a new image: it is answered as the demo model's own
+``generate()`` answers it in both placements, its entry then reaches Redis, and nothing is held
+afterwards, no encode lock included (``tests/leaks.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import random
 
 import pytest
 import redis
-from cluster import PLACEMENTS, Cluster
-from demo_jobs import demo_processor, make_job, run
+from cluster import DEMO_MODEL, PLACEMENTS, Cluster
+from demo_jobs import demo_processor, make_job, model_answer, run
 
 from gateway.orchestrator import Orchestrator
 from gateway.settings import GatewaySettings
+from runtime.model.model_adapter import VLMAdapter
 from leaks import LONG_LEASES, LeakCheck, orchestrator_counters
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,6 +43,12 @@ def stack(tmp_path_factory):
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def reference() -> VLMAdapter:
+    """The demo model in this process: each new image's expected answer is its own ``generate()``."""
+    return VLMAdapter.load(DEMO_MODEL)
+
+
 def entries() -> set[bytes]:
     client = redis.Redis.from_url(REDIS_URL)
     try:
@@ -50,7 +58,7 @@ def entries() -> set[bytes]:
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-async def test_a_new_image_fetched_by_key_right_after_encode(stack, placement):
+async def test_a_new_image_fetched_by_key_right_after_encode(stack, reference, placement):
     processor = demo_processor()
     address = {role: [w.address for w in stack.by_role(role)] for role in ("encoder", "prefill", "decode")}
     orch = Orchestrator(GatewaySettings(encoder_addrs=address["encoder"], prefill_addrs=address["prefill"],
@@ -61,8 +69,9 @@ async def test_a_new_image_fetched_by_key_right_after_encode(stack, placement):
     try:
         for _ in range(3):
             before = entries()
-            job, answer = make_job(processor, seed=random.randrange(1 << 30))
-            assert await run(orch, processor, job) == answer
+            seed = random.randrange(1 << 30)   # a new image every run, so its entry is new to Redis
+            job, _ = make_job(processor, seed=seed)
+            assert await run(orch, processor, job) == model_answer(reference, seed)
             for _ in range(100):                      # the write lands by itself, shortly after
                 if entries() - before:
                     break
