@@ -261,10 +261,10 @@ def test_the_margin_corrects_the_backlog_not_a_reported_queue() -> None:
     assert admit(SHORT, queued, CM, "colocated", ttft + 210.0, 150.0, pressure=more).ok
     late = admit(SHORT, queued, CM, "colocated", ttft + 190.0, 150.0, pressure=more)
     assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)   # 10 ms over: the least
+    assert late.estimated_queue_ms == pytest.approx(900.0)   # in the refused request's record
     deep = Pressure(waiting=30, first_token_rate_per_s=10.0, overrun_ms=600.0)   # 3000 + 600: 2700 beyond the queue
     far = admit(SHORT, queued, CM, "colocated", ttft + 100.0, 150.0, pressure=deep)
     assert (far.reason, far.retry_after_s) == ("pipeline_backlog", 3)   # over by 2600 ms, not the whole 3600
-    assert late.estimated_queue_ms == pytest.approx(900.0)   # in the refused request's record
     unreported = loads(busy(running=0))   # nothing reported: backlog and margin count whole
     ttft0 = admit(SHORT, unreported, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
     assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 790.0, 150.0, pressure=after_lag).ok

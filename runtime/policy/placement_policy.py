@@ -400,7 +400,7 @@ def admit(
     has the KV blocks it needs; retry after the soonest slot frees); ``ttft_deadline``
     (the best placement's estimated TTFT exceeds the time left; retry after the excess
     drains); ``pipeline_backlog`` (that estimate plus the ``pressure``'s backlog and
-    misprediction margin exceeds it; retry after what it exceeds by drains). The backlog (the requests admitted
+    misprediction margin exceeds it; retry after the overshoot drains). The backlog (the requests admitted
     here and still waiting for a first token, over the rate they get one) and the estimate's own
     queue (``queue_ms``: the queued work the workers last reported ahead of it) are two measures of
     one wait, and so is the margin, learnt mostly from the queue of a burst no report showed yet: the
