@@ -61,12 +61,13 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
 class Ticket:
     """An admitted request, from admission to its first token or its end."""
 
-    __slots__ = ("_owner", "_admitted_at", "_model_ms", "_kv_bytes", "_open")
+    __slots__ = ("_owner", "_admitted_at", "_model_ms", "_kv_bytes", "_ahead", "_open")
 
-    def __init__(self, owner: GatewayAdmission, model_ms: float | None, kv_bytes: float) -> None:
+    def __init__(self, owner: GatewayAdmission, model_ms: float | None, kv_bytes: float, ahead: int) -> None:
         """``model_ms``: the TTFT predicted at admission; None when the prediction could not price
-        the queue (``Pressure.backlog_priced``), so the first token teaches no overrun."""
-        self._owner, self._model_ms, self._kv_bytes = owner, model_ms, kv_bytes
+        the queue (``Pressure.backlog_priced``), so the first token teaches no overrun. ``ahead``:
+        the requests admitted and still waiting for a first token when this one was."""
+        self._owner, self._model_ms, self._kv_bytes, self._ahead = owner, model_ms, kv_bytes, ahead
         self._admitted_at = time.monotonic()
         self._open = True
 
@@ -82,7 +83,7 @@ class Ticket:
         took_ms = (time.monotonic() - self._admitted_at) * 1000
         overrun = None if self._model_ms is None else took_ms - self._model_ms
         # without a first token, ``overrun`` is how long past the prediction it still waited (a lower bound)
-        owner.pressure.left(got_first_token=got_first_token, overrun_ms=overrun)
+        owner.pressure.left(got_first_token=got_first_token, overrun_ms=overrun, ahead=self._ahead, ttft_ms=took_ms)
 
 
 class GatewayAdmission:
@@ -166,6 +167,7 @@ class GatewayAdmission:
             self.kv_transfers += 1
             self.kv_bytes += kv_bytes
         priced = self.pressure.backlog_priced()   # read before this request counts as waiting
+        ahead = self.pressure.waiting
         self.pressure.admitted(intake_ms=(time.monotonic() - arrival_s) * 1000)
         # the overrun is learnt against the model's own prediction, without itself: a stationary target
-        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes)
+        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes, ahead)

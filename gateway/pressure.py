@@ -38,11 +38,14 @@ stage estimates once the body is read: the intakes of a burst just over (280-360
 ms for half of a demo-c16 round) shed every request of the idle gateway that
 followed, at a 200 ms SLO, for the window's 5 s, since refusals teach no intake.
 
-The rate a burst is judged by is the larger of the window's rate and the
+The rate a burst is judged by is the largest of the window's rate, the
 highest rate seen in the last ``memory_s`` (checked at every first token): after
-a quiet spell the window holds too few first tokens to trust at all. The peak
-is what the pipeline was seen to sustain; if it no longer can (a worker lost),
-the overrun term shows it within a window.
+a quiet spell the window holds too few first tokens to trust at all, and the
+rate the window's queues drained at (``runtime.policy.drain_fit``: the fitted
+TTFT per request ahead at admission; in a closed loop that stays busy the
+window's rate is the arrival rate, which prices a burst at up to twice its real
+wait). The peak and the fit are what the pipeline was seen to do; if it no
+longer can (a worker lost), the overrun term shows it within a window.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import time
 from collections import deque
 
 from runtime.policy.busy_time import BusyClock
+from runtime.policy.drain_fit import DrainFit
 from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
 from .window_quantile import WindowQuantile
@@ -69,6 +73,7 @@ class FirstTokenPressure:
         self.waiting = 0                       # admitted, no first token yet
         self._busy = BusyClock(window_s)       # when ``waiting`` was above 0 (the rate's denominator)
         self._firsts: deque[float] = deque()   # times of recent first tokens (the rate's count)
+        self._drain = DrainFit(window_s, min_samples)  # TTFT against requests ahead at admission
         # ms late against the prediction: first tokens with a priced prediction, and requests that
         # ended tokenless (how long past it they still waited)
         self._overruns = WindowQuantile()
@@ -81,17 +86,22 @@ class FirstTokenPressure:
         self._intakes.add(now, intake_ms)
         self._intakes.expire(now - self.window_s)
 
-    def left(self, got_first_token: bool, overrun_ms: float | None = 0.0) -> None:
+    def left(self, got_first_token: bool, overrun_ms: float | None = 0.0, *, ahead: int | None = None,
+             ttft_ms: float = 0.0) -> None:
         """Exactly once per admitted request: at its first token (with its TTFT minus the
         admission estimate; None: the estimate could not price the queue, so the first token
         counts for the rate only), or when it ends without one (with how long past the estimate
         it was still waiting: a lower bound of its overrun, learnt when positive, so requests
-        cut at their deadline are not left out of the margin that should have refused them)."""
+        cut at their deadline are not left out of the margin that should have refused them).
+        ``ahead``: how many waited when it was admitted (``waiting`` just before ``admitted``),
+        with its ``ttft_ms`` from admission, for the drain fit."""
         self.waiting -= 1
         now = time.monotonic()
         self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
             self._firsts.append(now)
+            if ahead is not None:
+                self._drain.add(now, ahead, ttft_ms)
             if overrun_ms is not None:
                 self._overruns.add(now, overrun_ms)
             rate = self.rate_per_s()
@@ -140,10 +150,14 @@ class FirstTokenPressure:
             return 0.0
         return self.intake_ms() + self.wait_ms() + self.inputs().margin_ms()
 
+    def drain_rate_per_s(self) -> float | None:
+        """The rate the window's queues drained at (``DrainFit``); None when it cannot be trusted."""
+        return self._drain.rate_per_s(time.monotonic())
+
     def inputs(self) -> Pressure:
         """This state as the admission policy reads it (``runtime.policy.loads.Pressure``): the
-        rate is the higher of the window's and the recent peak (None: no throughput seen yet,
-        at start-up or after a long idle, and the stage estimates decide alone)."""
+        rate is the highest of the window's, the recent peak and the drain fit's (None: no
+        throughput seen yet, at start-up or after a long idle, and the stage estimates decide alone)."""
         return Pressure(self.waiting, self._judged_rate(), self.overrun_ms())
 
     def backlog_priced(self) -> bool:
@@ -151,7 +165,7 @@ class FirstTokenPressure:
         return Pressure(self.waiting, self._judged_rate()).backlog_priced()
 
     def _judged_rate(self) -> float | None:
-        return max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0) or None
+        return max(self.rate_per_s() or 0.0, self.peak_rate_per_s() or 0.0, self.drain_rate_per_s() or 0.0) or None
 
     def wait_ms(self) -> float:
         """Expected queueing before a new request's first token; 0 while nothing waits."""

@@ -20,7 +20,7 @@ class SimRequest:
         "rid", "arrival", "tokens", "output", "images", "cached", "kv_need", "deadline", "decode_tokens",
         "prefill_ms", "local_chunks", "chunk_i", "breach_base", "worker", "reserved", "prefill_done",
         "chunk_bytes", "chunks_ready", "chunks_sent", "flows", "landed", "resend_full", "attempts", "local",
-        "t_first", "t_mark", "t_reserve", "t_send", "shape", "prefill_server", "kv_bytes", "t_admit", "model_ms",
+        "t_first", "t_mark", "t_reserve", "t_send", "shape", "prefill_server", "kv_bytes", "t_admit", "model_ms", "ahead",
     )
 
     def __init__(self, rid: int, spec: Arrival, ttft_slo_ms: float) -> None:
@@ -37,6 +37,7 @@ class SimRequest:
         self.kv_bytes = 0.0  # remote, until its first token: its KV, counted on the link's load
         self.t_admit = 0.0        # with admission: when admitted
         self.model_ms: float | None = 0.0   # ... and the TTFT predicted then (None: the queue was not priced)
+        self.ahead = 0            # ... and the admitted requests still waiting for a first token then
         self.reserved = self.prefill_done = self.resend_full = self.local = False
         self.chunk_bytes: list[int] | None = None
         self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0

@@ -265,6 +265,7 @@ class Simulator:
             self.kv_transfers += 1
             self.kv_bytes += req.kv_bytes
         if self.pressure is not None:
+            req.ahead = self.pressure.waiting
             self.pressure.admitted(now)
             # None: the prediction could not price the queue, so its first token teaches no overrun
             req.t_admit = now
@@ -344,7 +345,7 @@ class Simulator:
         self._off_the_link(req)
         if self.pressure is not None:
             late = None if req.model_ms is None else t - req.t_admit - req.model_ms
-            self.pressure.left(t, got_first_token=True, overrun_ms=late)
+            self.pressure.left(t, got_first_token=True, overrun_ms=late, ahead=req.ahead, ttft_ms=t - req.t_admit)
 
     def finished(self, req: SimRequest, now: float, worker: DecodeWorker) -> None:
         m = self.m

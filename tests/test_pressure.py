@@ -251,3 +251,74 @@ def test_the_window_quantile_is_the_sorted_windows_at_every_read():
         for q in (0.0, 0.5, 0.95, 1.0):
             assert w.quantile(q, 4) == (values[min(len(values) - 1, int(q * len(values)))] if len(values) >= 4 else None)
     assert len(w) == len(kept)
+
+
+def _closed_loop_burst(monkeypatch, p: FirstTokenPressure) -> list[float]:
+    """A busy closed loop on the bench model, as a refusal storm read it: 38 first tokens over 5 s
+    of waiting (7.6/s), each TTFT 200 ms plus 75 ms per request that waited when it was admitted
+    (its first tokens batch, so a queue drains at ~13/s), then a burst of 16 admitted at once."""
+    now = [0.0]
+    monkeypatch.setattr("gateway.pressure.time.monotonic", lambda: now[0])
+    p.admitted()                           # one always waits: the busy clock runs the whole window
+    for i in range(38):
+        now[0] = i * 5.0 / 38
+        p.admitted()
+        ahead = i % 16
+        now[0] += 0.01
+        p.left(got_first_token=True, overrun_ms=0.0, ahead=ahead, ttft_ms=200.0 + 75.0 * ahead)
+    now[0] = 5.0
+    for _ in range(15):
+        p.admitted()
+    return now
+
+
+def test_a_burst_is_priced_at_the_rate_its_queue_drained_not_the_closed_loops_arrivals(monkeypatch):
+    from runtime.policy.cost_model import CostModel
+    from runtime.policy.loads import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads
+    from runtime.policy.placement_policy import admit
+
+    p = FirstTokenPressure(window_s=5.0, min_samples=8)
+    _closed_loop_burst(monkeypatch, p)
+    assert p.rate_per_s() == pytest.approx(38 / 5.0, rel=0.05)      # what the storm was judged by
+    assert p.drain_rate_per_s() == pytest.approx(1000.0 / 75.0)
+    assert p.wait_ms() == pytest.approx(16 * 75.0)                  # not 16 / 7.6 s = 2.1 s
+    # a bench-short request with 2 s to its deadline is admitted, as the TTFTs just seen say it should be
+    state = StageLoads(decode=(DecodeWorkerLoad("d0", running_seqs=0),), prefill=(PrefillWorkerLoad("p0"),))
+    verdict = admit(RequestShape(26, 32), state, CostModel(), "conditional", 2000.0, 500.0, pressure=p.inputs())
+    assert verdict.ok and verdict.backlog_ms == pytest.approx(1200.0)
+
+
+def test_the_drain_fit_is_trusted_only_with_enough_spread_and_a_rising_ttft():
+    from runtime.policy.drain_fit import DrainFit
+
+    one_at_a_time = DrainFit(window=5.0, min_samples=8)
+    for i in range(20):
+        one_at_a_time.add(i * 0.1, 0, 10.0 + i % 3)
+    assert one_at_a_time.rate_per_s(2.0) is None                    # every request had 0 ahead: no slope
+    flat = DrainFit(window=5.0, min_samples=8)
+    for i in range(20):
+        flat.add(i * 0.1, i % 8, 300.0 - i % 8)                      # later with fewer ahead: no drain seen
+    assert flat.rate_per_s(2.0) is None
+    few = DrainFit(window=5.0, min_samples=8)
+    for i in range(7):
+        few.add(i * 0.1, i, 100.0 + 50.0 * i)
+    assert few.rate_per_s(1.0) is None                              # too few samples
+    few.add(0.7, 7, 450.0)
+    assert few.rate_per_s(1.0) == pytest.approx(20.0)               # 50 ms a request ahead
+    assert few.rate_per_s(5.75) is None                             # the first samples left the window
+    assert few.rate_per_s(60.0) is None and few._n == 0 and few._sxy == 0.0
+
+
+def test_the_simulator_prices_a_burst_at_the_rate_its_queue_drained():
+    from sim.pressure import SimPressure
+
+    sim = SimPressure(window_ms=5000.0, min_samples=8)
+    sim.admitted(0.0)                      # one always waits
+    for i in range(38):
+        t = i * 5000.0 / 38
+        sim.admitted(t)
+        ahead = i % 16
+        sim.left(t + 10.0, got_first_token=True, overrun_ms=0.0, ahead=ahead, ttft_ms=200.0 + 75.0 * ahead)
+    for _ in range(15):
+        sim.admitted(4990.0)
+    assert sim.inputs(5000.0).backlog_ms() == pytest.approx(16 * 75.0)
