@@ -200,6 +200,11 @@ class DecodeScheduler:
         return sum(self.queued_prompt_tokens)
 
     @property
+    def step_prompt_tokens(self) -> int:
+        """The prompt tokens the next step may carry (``StepBudget.prefill_tokens`` as things stand)."""
+        return self.step_budget.prefill_tokens(min(len(self._running), self.max_batch), len(self._prefilling))
+
+    @property
     def busy(self) -> bool:
         return bool(self._running or self._prefilling)
 

@@ -50,6 +50,7 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
         role=Role(role), address=address, running_seqs=stats.running_seqs, queue_depth=stats.queue_depth,
         queued_prefill_tokens=stats.queued_prefill_tokens, free_blocks=stats.free_blocks if decode else None,
         queued_prompts=tuple(stats.queued_prompt_tokens) if decode else (),
+        step_prompt_tokens=stats.step_prompt_tokens if decode else 0,
         total_blocks=stats.total_blocks, block_size=max(1, stats.block_size),
         ring_groups=stats.ring_groups if decode else 0, ring_blocks=stats.ring_blocks if decode else 0,
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),

@@ -288,6 +288,40 @@ def test_a_decode_worker_that_serves_the_least_remaining_prompt_first_is_priced_
         WorkerReport(Role.DECODE, "d", queued_prompts=(-1,))
 
 
+def test_queued_prompts_that_share_a_step_are_priced_as_one_step_and_a_burst_stays_colocated() -> None:
+    """A decode worker batches its queued colocated prompts into a step up to ``step_prompt_tokens``
+    (``decode_svc/step_budget.py``): the queue ahead of a prompt that fits in the same step delays it
+    by the queued tokens' time, not a whole prefill per queued prompt. Priced one prompt after another,
+    a demo-model burst of three queued 26-token prompts made the split path look faster, and 40-60%
+    of some 16-concurrent runs went through the prefill worker at ~25% less throughput."""
+    from runtime.policy.placement_policy import COLOCATED, choose_placement
+
+    demo = CostModel(prior=CPU_PRIOR.replace(prefill_base_ms=8.4, prefill_ms_per_token=0.05, decode_step_base_ms=5.5,
+                                             decode_step_ms_per_seq=0.1, encode_base_ms=4.0, encode_ms_per_image=1.0,
+                                             link_setup_ms=0.1))
+    shape = RequestShape(26, 16, n_images=1)
+    batched = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=3, queued_prefill_tokens=78,
+                           queued_prompts=(26, 26, 26), step_prompt_tokens=2048)
+    one_a_step = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=3, queued_prefill_tokens=78,
+                              queued_prompts=(26, 26, 26), step_prompt_tokens=26)
+    unreported = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=3, queued_prefill_tokens=78,
+                              queued_prompts=(26, 26, 26))
+    assert decode_load(batched, shape, demo).queue_wait_ms == pytest.approx(0.05 * 78)
+    assert decode_load(one_a_step, shape, demo).queue_wait_ms == pytest.approx(demo.queued_prefill_ms(78, 3))
+    assert decode_load(unreported, shape, demo).queue_wait_ms == pytest.approx(demo.queued_prefill_ms(78, 3))
+    prefill = WorkerReport(Role.PREFILL, "p")
+    encoder = WorkerReport(Role.ENCODER, "e")
+    for report, placement in ((batched, COLOCATED), (unreported, "disaggregated")):
+        loads = stage_loads(StatsSnapshot((report, prefill, encoder)), shape, demo)
+        decision = choose_placement(shape, loads, demo, "conditional", 1000.0, 200.0)
+        assert decision is not None and decision.placement == placement, decision
+    stats = pb.WorkerStats(role="decode", step_prompt_tokens=2048)
+    assert worker_report("decode", "d", stats, 0).step_prompt_tokens == 2048
+    assert worker_report("prefill", "p", stats, 0).step_prompt_tokens == 0
+    with pytest.raises(ValueError):
+        WorkerReport(Role.DECODE, "d", step_prompt_tokens=-1)
+
+
 def test_a_prefill_worker_shares_cores_with_the_decode_workers_it_overlaps_on_one_machine() -> None:
     def decode(name: str, host: str, cpus: tuple[int, ...], busy: float = -1.0) -> WorkerReport:
         return WorkerReport(Role.DECODE, name, host_id=host, cpus=cpus, cpus_busy=busy)
