@@ -201,12 +201,8 @@ class DecodeScheduler:
 
     @property
     def step_prompt_tokens(self) -> int:
-        """The prompt tokens a step may carry while the queued prompts drain: ``StepBudget.prefill_tokens``
-        beside the running sequences and the queued ones, which decode once they have their first
-        token (a burst's first step alone, with nothing decoding, takes the full budget; a prompt
-        arriving then waits for the steps after it, beside the burst's decodes)."""
-        decoding = min(len(self._running) + len(self._prefilling), self.max_batch)
-        return self.step_budget.prefill_tokens(decoding, len(self._prefilling))
+        """The prompt tokens the next step may carry (``StepBudget.prefill_tokens`` as things stand)."""
+        return self.step_budget.prefill_tokens(min(len(self._running), self.max_batch), len(self._prefilling))
 
     @property
     def busy(self) -> bool:
