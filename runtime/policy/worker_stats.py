@@ -87,7 +87,8 @@ class WorkerReport:
         self.role = Role(self.role)
         self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
         self.cpus = tuple(self.cpus)
-        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.step_prompt_tokens, self.max_batch, self.in_flight,
+        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.step_prompt_tokens,
+               self.max_batch, self.in_flight,
                self.cached_prefix_tokens, self.cached_images, *self.queued_prompts) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
         if self.block_size < 1:
