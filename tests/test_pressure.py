@@ -253,7 +253,7 @@ def test_the_window_quantile_is_the_sorted_windows_at_every_read():
     assert len(w) == len(kept)
 
 
-def _closed_loop_burst(monkeypatch, p: FirstTokenPressure) -> list[float]:
+def _closed_loop_burst(monkeypatch, p: FirstTokenPressure) -> None:
     """A busy closed loop on the bench model, as a refusal storm read it: 38 first tokens over 5 s
     of waiting (7.6/s), each TTFT 200 ms plus 75 ms per request that waited when it was admitted
     (its first tokens batch, so a queue drains at ~13/s), then a burst of 16 admitted at once."""
@@ -269,7 +269,6 @@ def _closed_loop_burst(monkeypatch, p: FirstTokenPressure) -> list[float]:
     now[0] = 5.0
     for _ in range(15):
         p.admitted()
-    return now
 
 
 def test_a_burst_is_priced_at_the_rate_its_queue_drained_not_the_closed_loops_arrivals(monkeypatch):

@@ -179,8 +179,8 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     claimed = queued if queued > w.in_flight else w.in_flight
     running = w.running_seqs if w.running_seqs > w.in_flight - w.queue_depth else w.in_flight - w.queue_depth
     free = slots - claimed
-    cached = min(w.cached_prefix_tokens, shape.prompt_tokens - 1)
-    own = shape.prompt_tokens - (cached if cached > 0 else 0)
+    cached = max(0, min(w.cached_prefix_tokens, shape.prompt_tokens - 1))
+    own = shape.prompt_tokens - cached
     if w.queued_prompts:   # least remaining first: only the prompts no longer than this one are ahead
         ahead = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
         local_ms = local_queue_ms(sum(ahead), len(ahead), own, w, cm)
@@ -192,5 +192,5 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
         slot_wait = steps * cm.decode_step_ms(running)
     return DecodeWorkerLoad(w.address, running, free if free > 0 else 0, w.free_blocks, w.block_size, local_ms,
                             slot_wait, ring_groups=w.ring_groups, ring_blocks=w.ring_blocks,
-                            cached_prefix_tokens=cached if cached > 0 else 0,
-                            cached_images=min(w.cached_images, shape.n_images) if cached > 0 else 0)
+                            cached_prefix_tokens=cached,
+                            cached_images=min(w.cached_images, shape.n_images) if cached else 0)
