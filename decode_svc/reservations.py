@@ -141,6 +141,7 @@ class Reservation:
     rings: list[list[list[int]]] = field(default_factory=list)   # windowed pool: choice i's rings at i ([] once freed)
     retired: set[int] = field(default_factory=set)         # choices whose sequence retired (each once)
     cache_tokens: int = 0        # the most prompt KV any retired choice had written (what release may cache)
+    prompt_here: bool = False    # colocated: this worker prefills the prompt (the gateway asked to reuse a prefix)
     created_at: float = field(default_factory=time.monotonic)
     _status: DecodeStatus = field(default=DecodeStatus.RESERVED, init=False)   # ReservationTable moves it
 
@@ -248,7 +249,7 @@ class ReservationTable:
     def reserve(self, request_id: str, prompt_tokens: int, max_tokens: int, deadline_s: float,
                 token_digest: str, model_fingerprint: str, rope_delta: int = 0, *,
                 prefix_keys: list[bytes] | None = None, reuse_prefix: bool = False,
-                choices: int = 1) -> Reservation | None:
+                choices: int = 1, prompt_here: bool = False) -> Reservation | None:
         """Allocate destination blocks now, or return ``None`` (nothing taken).
 
         ``reuse_prefix``: start the block table with the cached blocks of the longest cached chain
@@ -303,6 +304,7 @@ class ReservationTable:
             state_slot=slot,
             forks=forks,
             rings=rings,
+            prompt_here=prompt_here,
         )
         res.attempt.set_state(TransferState.WAITING_FOR_INPUT)  # block map is published with the reply
         self._by_id[res.reservation_id] = res
@@ -436,6 +438,12 @@ class ReservationTable:
     def waiting(self) -> int:
         """Reservations whose request is not in the batch yet (reserved, or receiving its KV)."""
         return sum(r.before_insertion for r in self._by_id.values())
+
+    @property
+    def prompts_on_the_way(self) -> int:
+        """Colocated reservations whose prompt has not reached the scheduler yet (its Generate not
+        here, or its images still being encoded or fetched)."""
+        return sum(r.before_insertion and r.prompt_here for r in self._by_id.values())
 
     @property
     def pending_chunks(self) -> int:

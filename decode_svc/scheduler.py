@@ -10,10 +10,16 @@ Queues, in order (moving a sequence from one to the next IS its state change; it
 One step = one packed forward holding one new token for every running sequence
 plus at most one prompt chunk per prefilling sequence (bounded by a token
 budget: while sequences decode, ``step_budget.StepBudget`` prices the prompt tokens a
-step may carry so it stays near a decode step's own time), so a long colocated prompt,
-or a burst of short ones, is spread across steps instead of stalling its neighbours. The
-budget goes to the prompts in ``prefill_order``'s order: least remaining prompt first, those
-whose first-token deadline is at risk before the rest. A colocated prompt is a ``PreparedPrompt``
+step may carry so it stays near a decode step's own time), so a long colocated prompt
+is spread across steps instead of stalling its neighbours. A step with at least as many
+prompts waiting as sequences decoding refills the batch in one go (the step budget's refill
+budget); before it, the loop waits up to ``REFILL_WAIT_STEPS`` decode steps for the colocated
+prompts already on their way here (reserved, their images still being encoded or fetched:
+``prompts_on_the_way``), so a burst whose requests reach this worker a few milliseconds apart
+starts decoding in one step rather than in groups that stay staggered, each later group's
+prompts a step beside the earlier groups' decoders. The budget goes to the prompts in
+``prefill_order``'s order: least remaining prompt first, those whose first-token deadline is at
+risk before the rest. A colocated prompt is a ``PreparedPrompt``
 (embeddings, M-RoPE positions, DeepStack rows); each chunk is its ``item``. Every
 decode token carries its sequence's ``rope_delta`` (M-RoPE: position = index +
 delta; 0 for 1-D families), verified before the sequence was handed over. Sequences join and leave only at step
@@ -84,20 +90,29 @@ __all__ = ["DecodeScheduler", "Sequence", "StepEvent"]
 
 log = logging.getLogger("epd.decode")
 
+# Before a refill step, how long (in decode steps, the step budget's ``decode_ms``) the loop may wait
+# for colocated prompts on their way. On the bench model a closed-loop burst of 16 short chats
+# reached the decode worker over ~0.2 s (intake, encodes): waiting up to one decode step (~40 ms)
+# still split some bursts in two, three started all of them together (bench/RESULTS.md).
+REFILL_WAIT_STEPS = 3.0
+
 
 class DecodeScheduler:
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, states: StateSlotPool | None = None, max_batch: int = 64,
                  prefill_token_budget: int = 256, on_retire: Callable[[Sequence], None] | None = None,
-                 timings: TimingLog | None = None, step_delay_s: float = 0.0):
+                 timings: TimingLog | None = None, step_delay_s: float = 0.0,
+                 prompts_on_the_way: Callable[[], int] = lambda: 0):
         self.adapter = adapter
         self.pool = pool
         self.states = states   # hybrid decoders: the reservations' state slots, updated in place by each step
         self.max_batch = max_batch
         self.prefill_token_budget = prefill_token_budget
-        self.step_budget = StepBudget(prefill_token_budget)   # prompt tokens beside running decodes
+        self.step_budget = StepBudget(prefill_token_budget)   # prompt tokens beside running decodes (a refill: twice that)
         self.on_retire = on_retire or (lambda seq: None)
         self.timings = timings or TimingLog()
         self.step_delay_s = step_delay_s   # fault injection (``delay_step_ms``): every step waits first
+        self.prompts_on_the_way = prompts_on_the_way   # colocated prompts reserved here, not yet prefilling
+        self.refill_waits = 0   # refill steps that waited for prompts on their way
         self._running: list[Sequence] = []
         self._prefilling: list[Sequence] = []
         self._cancelling: set[Sequence] = set()   # marked by cancel(); retired at the next step boundary
@@ -227,12 +242,32 @@ class DecodeScheduler:
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)   # untimed: the fits see the real forward
                 self._drop_cancelled()
+            await self._wait_to_refill()
             try:
                 await self._step()
             except Exception as exc:  # a failed step fails its sequences, never the worker
                 log.exception("decode step failed")
                 for seq in [*self._running, *self._prefilling]:
                     self._retire(seq, DecodeStatus.FINISHED_ERROR, f"decode step failed: {exc}")
+
+    def _refilling(self) -> bool:
+        return bool(self._prefilling) and len(self._prefilling) >= min(len(self._running), self.max_batch)
+
+    async def _wait_to_refill(self) -> None:
+        """Before a refill step, wait for the colocated prompts on their way here, at most
+        ``REFILL_WAIT_STEPS`` decode steps (none before a decode step has been timed). Every arrival
+        wakes the loop; it stops waiting once none is on its way, or the batch no longer refills."""
+        if self.step_budget.decode_ms is None or not self._refilling() or not self.prompts_on_the_way():
+            return
+        self.refill_waits += 1
+        end = time.monotonic() + REFILL_WAIT_STEPS * self.step_budget.decode_ms / 1000
+        while self._refilling() and self.prompts_on_the_way() and (left := end - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                break
+        self._drop_cancelled()
 
     def _drop_cancelled(self) -> None:
         cancelling, self._cancelling = self._cancelling, set()
@@ -257,11 +292,19 @@ class DecodeScheduler:
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
         budget = self.step_budget.prefill_tokens(len(decoding), len(self._prefilling))
+        partial = min(budget, self.step_budget.stretch_tokens(len(decoding)))   # for prompts this step does not finish
         for seq in prefill_order(self._prefilling, self.step_budget.token_ms, time.monotonic()):
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled
-            end = seq.prompt.chunk_end(start, min(budget, seq.prefill_chunk or budget))   # whole image spans
+            chunk = min(budget, seq.prefill_chunk or self.prefill_token_budget)   # a refill's budget is wider than a chunk
+            if start + chunk < seq.prompt_len:   # not finished in this step: a refill does not widen its chunk
+                chunk = min(chunk, partial)
+                if chunk <= 0:
+                    continue
+            end = seq.prompt.chunk_end(start, chunk)   # whole image spans
+            if end < seq.prompt_len:
+                partial -= end - start
             chunks.append((seq, start, end))
             budget -= end - start
 

@@ -129,7 +129,8 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         self.scheduler = DecodeScheduler(adapter, pool, states=self.states, max_batch=max_batch,
                                          prefill_token_budget=prefill_chunk_tokens,
                                          on_retire=self._on_retire, timings=self.timings,
-                                         step_delay_s=self.faults.amount("delay_step_ms") / 1000)
+                                         step_delay_s=self.faults.amount("delay_step_ms") / 1000,
+                                         prompts_on_the_way=lambda: self.table.prompts_on_the_way)
         self.state = ServingState("decode", self.timings, adapter.model_fingerprint, adapter.attention_kernel,
                                   adapter.linear_kernel, adapter.device.type)
         self._boot = uuid.uuid4().hex[:12]   # a restarted worker's summary is a new one (its cache is gone)
@@ -204,7 +205,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 unix_ms_to_monotonic(request.deadline_unix_ms), request.token_digest,
                 request.model_fingerprint or self.adapter.model_fingerprint, rope_delta,
                 prefix_keys=keys, reuse_prefix=request.reuse_prefix and bool(keys),
-                choices=choices) if fit is Fit.NOW else None
+                choices=choices, prompt_here=request.reuse_prefix) if fit is Fit.NOW else None
         if res is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room for {tokens} tokens ({self.pool.available_blocks} free blocks"
@@ -360,6 +361,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 "prefix_cache_hits_total": self.prefix.hits_total, "running_seqs": self.scheduler.running_seqs,
                 "in_flight": self.table.active, "lease_reaped_total": self.table.reaped_total,
                 "choices_retired_early_total": self.scheduler.choices_retired_early,
+                "refill_waits_total": self.scheduler.refill_waits,
                 "images_encoded_here_total": self.local_encoder.encoded,
                 "embedding_store_failures_total": self.local_encoder.store_failures,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}

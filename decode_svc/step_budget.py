@@ -2,21 +2,21 @@
 
 Every running sequence's next token waits for the step, so a step that also prefills colocated
 prompts is an inter-token gap for all of them. The policy (vLLM's token budget per step, priced
-in time instead of tokens): while sequences decode, the prompt chunks mixed into a step may add
-at most ``max(stretch x the decode step's own time x max(1, waiting / decoding), floor_ms)`` to
-it, priced from the measured cost of one prompt token, and never more than the full budget; at
-least ``min_tokens`` always go in (no prompt starves behind a busy batch). With nothing decoding
-a step takes the full prefill budget (nobody's gap grows).
+in time instead of tokens): while fewer prompts wait for their first token than sequences
+decode, the prompt chunks mixed into a step may add at most ``max(stretch x the decode step's
+own time, floor_ms)`` to it, priced from the measured cost of one prompt token, and never more
+than the full budget; at least ``min_tokens`` always go in (no prompt starves behind a busy batch).
 
-The ``waiting / decoding`` factor is for bursts: when more prompts wait for their first token
-than sequences decode, every decode step between two prompt chunks makes each waiting prompt
-wait a whole step longer, while a wider step stretches only the few running sequences' gap once.
-A closed-loop burst of 16 short prompts on the bench model arrives staggered by intake and
-encode, so the first few start decoding and, at one prompt per step beside them, the last of
-the burst waited ~1.9 s for its first token (vLLM's one big step: ~0.95 s for all); admission
-then rightly refused the tail of the next burst at a 2 s SLO, and every refusal's closed-loop
-replacement too (13 of 48 served). Widened steps drain such a burst in ~1.3 s; in the steady
-state, where fewer prompts wait than sequences decode, the budget is what it was.
+A step with at least as many prompts waiting as sequences decoding (nothing decoding included)
+*refills* the batch and takes the refill budget, ``refill_tokens`` (twice the full budget unless
+given; each prompt still at most a chunk of the full budget, and the chunks of prompts the step
+does not finish together within the usual budget, ``stretch_tokens``): a burst then starts decoding
+together, and the steps after it carry no prompt beside its decoders. Spread one prompt per step
+instead, a closed-loop burst of 16 short prompts on the bench model put a prompt beside the
+decoders in a third of all steps, each ~2x a decode step, and the groups it started stayed
+staggered for every burst after (bench/RESULTS.md); the refill step stretches only the few
+sequences already decoding, once. (The scheduler also waits briefly, before a refill step, for
+colocated prompts already on their way: ``scheduler.REFILL_WAIT_STEPS``.)
 
 Both costs are moving averages of the scheduler's own steps: ``decode_ms`` of steps that only
 decode, ``token_ms`` of the prompt tokens in a step (steps that only prefill: their time per
@@ -32,8 +32,10 @@ ALPHA = 0.3   # weight of the newest sample in each moving average
 
 
 class StepBudget:
-    def __init__(self, full_tokens: int, *, stretch: float = 1.0, floor_ms: float = 20.0, min_tokens: int = 16):
+    def __init__(self, full_tokens: int, *, refill_tokens: int | None = None, stretch: float = 1.0,
+                 floor_ms: float = 20.0, min_tokens: int = 16):
         self.full_tokens = full_tokens
+        self.refill_tokens = max(refill_tokens or 2 * full_tokens, full_tokens)
         self.stretch = stretch
         self.floor_ms = floor_ms
         self.min_tokens = min(min_tokens, full_tokens)
@@ -43,9 +45,14 @@ class StepBudget:
     def prefill_tokens(self, decoding: int, waiting: int = 0) -> int:
         """The prompt tokens the next step may carry beside ``decoding`` running sequences, with
         ``waiting`` prompts queued for their first token."""
+        return self.refill_tokens if waiting >= decoding else self.stretch_tokens(decoding)
+
+    def stretch_tokens(self, decoding: int) -> int:
+        """The prompt tokens a step may carry beside ``decoding`` running sequences outside a refill,
+        and in a refill for the prompts it does not finish (a long prompt's chunk)."""
         if not decoding or self.decode_ms is None or not self.token_ms:
             return self.full_tokens
-        allowed_ms = max(self.stretch * self.decode_ms * max(1.0, waiting / decoding), self.floor_ms)
+        allowed_ms = max(self.stretch * self.decode_ms, self.floor_ms)
         return max(self.min_tokens, min(self.full_tokens, int(allowed_ms / self.token_ms)))
 
     def observe(self, decoding: int, prompt_tokens: int, step_ms: float) -> None:

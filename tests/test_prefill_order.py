@@ -1,8 +1,10 @@
-"""The order colocated prompts get prefilled in on a decode worker (``decode_svc/prefill_order.py``).
+"""The order colocated prompts get prefilled in on a decode worker (``decode_svc/prefill_order.py``),
+and when (``DecodeScheduler``'s refill wait).
 
 A short chat prompt queued behind a long document on the same decode worker gets its first token
 within a step or two instead of after every chunk of the document; a prompt whose first-token
-deadline is at risk goes first whatever its length; and the order changes no token.
+deadline is at risk goes first whatever its length; and the order changes no token. A step that
+refills the batch waits, briefly, for the colocated prompts on their way, so a burst starts together.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ async def run(adapter: VLMAdapter, prompts: dict[str, list[int]], deadlines: dic
     collect, per prompt, its tokens and the statuses of the others when its first token came."""
     pool = KVBlockPool(adapter.kv_layout, 96, 16)
     scheduler = DecodeScheduler(adapter, pool, prefill_token_budget=16)
+    scheduler.step_budget.refill_tokens = 16   # one chunk a step, refills too: the order decides who goes first
     scheduler.start()
     try:
         warm = text_ids(adapter, 20, 3)   # prices a prompt token (the order needs ``token_ms``)
@@ -127,3 +130,50 @@ async def test_a_long_prompt_at_risk_of_its_deadline_is_not_passed(adapter):
     long_ids, short_ids = text_ids(adapter, 160, 11), text_ids(adapter, 6, 5)
     _, seen = await run(adapter, {"long": long_ids, "short": short_ids}, deadlines={"long": time.monotonic() + 0.01})
     assert seen["long"]["short"] is DecodeStatus.PREFILLING
+
+
+# -- a refill step waits for the prompts on their way --------------------------------------------------
+async def _first_token_steps(adapter: VLMAdapter, on_the_way: list[int], decode_ms: float,
+                             second_after_s: float) -> tuple[dict[str, int], DecodeScheduler]:
+    """Prompt ``a`` now and ``b`` ``second_after_s`` later (``on_the_way[0]`` counts ``b`` until it is
+    inserted), with a decode step priced at ``decode_ms``; the step each one's first token came from."""
+    pool = KVBlockPool(adapter.kv_layout, 96, 16)
+    scheduler = DecodeScheduler(adapter, pool, prefill_token_budget=16, prompts_on_the_way=lambda: on_the_way[0])
+    scheduler.start()
+    try:
+        ids = {"a": text_ids(adapter, 6, 5), "b": text_ids(adapter, 6, 9)}
+        seqs = {n: _sequence(pool, n, len(i)) for n, i in ids.items()}
+        scheduler.step_budget.decode_ms = decode_ms   # as if the worker had timed its decode steps
+        steps: dict[str, int] = {}
+
+        async def first(name: str) -> None:
+            await asyncio.wait_for(seqs[name].events.get(), 30)
+            steps[name] = scheduler.steps
+
+        waiters = [asyncio.create_task(first(n)) for n in ids]
+        scheduler.insert_colocated(seqs["a"], adapter.prepare(ids["a"], []))
+        await asyncio.sleep(second_after_s)
+        on_the_way[0] = 0
+        scheduler.insert_colocated(seqs["b"], adapter.prepare(ids["b"], []))
+        await asyncio.gather(*waiters)
+        return steps, scheduler
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_refill_step_waits_for_a_colocated_prompt_on_its_way(adapter):
+    """``b`` is reserved here (on its way) when ``a`` arrives to an idle batch: the step waits for it,
+    and both start decoding from the same step."""
+    steps, scheduler = await _first_token_steps(adapter, [1], decode_ms=10_000.0, second_after_s=0.3)
+    assert steps["a"] == steps["b"] == 1, steps
+    assert scheduler.refill_waits == 1
+
+
+async def test_nothing_on_the_way_means_no_wait_and_the_wait_is_bounded(adapter):
+    steps, scheduler = await _first_token_steps(adapter, [0], decode_ms=10_000.0, second_after_s=0.3)
+    assert steps["a"] == 1 and steps["b"] > 1, steps        # nothing announced: ``a`` went at once
+    assert scheduler.refill_waits == 0
+    started = time.monotonic()
+    steps, scheduler = await _first_token_steps(adapter, [1], decode_ms=20.0, second_after_s=1.0)
+    assert steps["a"] == 1 and steps["b"] > 1, steps        # ``b`` came later than 3 decode steps: ``a`` went alone
+    assert scheduler.refill_waits == 1 and time.monotonic() - started < 5.0

@@ -5,13 +5,13 @@ from __future__ import annotations
 from decode_svc.step_budget import StepBudget
 
 
-def test_full_budget_until_both_costs_are_measured_and_whenever_nothing_decodes():
+def test_full_budget_until_both_costs_are_measured_and_a_refill_whenever_nothing_decodes():
     b = StepBudget(256)
     assert b.prefill_tokens(16) == 256           # nothing measured yet
     b.observe(16, 0, 80.0)                        # a decode-only step
     assert b.prefill_tokens(16) == 256           # the token's cost is still unknown
     b.observe(0, 100, 200.0)                      # a prefill-only step: 2 ms per token (an overestimate)
-    assert b.prefill_tokens(0) == 256            # nobody decodes: no gap to protect
+    assert b.prefill_tokens(0) == 512            # nobody decodes: no gap to protect, a refill
     assert b.prefill_tokens(16) == 40            # 80 ms beside an 80 ms decode step at 2 ms a token
 
 
@@ -35,12 +35,23 @@ def test_a_cheap_model_keeps_the_full_budget_and_a_prompt_never_starves():
     assert slow.prefill_tokens(16) == 16          # still one chunk of at least min_tokens
 
 
-def test_more_prompts_waiting_than_sequences_decoding_widen_the_step():
-    """A burst: each decode step between two prompt chunks delays every waiting prompt, so while more
-    prompts wait than sequences decode the step takes proportionally more of them (up to the full budget)."""
+def test_as_many_prompts_waiting_as_sequences_decoding_refill_the_batch_in_one_step():
+    """A burst: spread one prompt a step, its prompts would sit beside the first ones' decoders in
+    step after step; a refill step stretches the few running sequences' gap once instead."""
     b = StepBudget(256, stretch=1.0, floor_ms=0.0, min_tokens=1)
     b.observe(4, 0, 80.0)                         # a decode-only step of 4 sequences
     b.observe(0, 100, 200.0)                      # 2 ms a prompt token
-    assert b.prefill_tokens(4) == b.prefill_tokens(4, 2) == b.prefill_tokens(4, 4) == 40   # the steady state
-    assert b.prefill_tokens(4, 12) == 120         # three prompts wait per decoding sequence: three times the time
-    assert b.prefill_tokens(1, 15) == 256         # never past the full budget
+    assert b.prefill_tokens(4) == b.prefill_tokens(4, 3) == 40    # the steady state: one decode step's worth
+    assert b.prefill_tokens(4, 4) == b.prefill_tokens(1, 15) == 512   # a refill: twice the full budget
+    assert StepBudget(256, refill_tokens=1024).prefill_tokens(2, 2) == 1024
+    assert StepBudget(256, refill_tokens=64).prefill_tokens(0) == 256   # never less than the full budget
+
+
+def test_a_refill_widens_only_the_prompts_it_finishes():
+    """A long prompt's chunk in a refill step stays within the usual budget (``stretch_tokens``), so
+    the short prompts the refill starts are not held for a long chunk in the same step."""
+    b = StepBudget(256, stretch=1.0, floor_ms=0.0, min_tokens=1)
+    b.observe(4, 0, 80.0)
+    b.observe(0, 100, 200.0)
+    assert b.prefill_tokens(4, 8) == 512 and b.stretch_tokens(4) == 40
+    assert b.stretch_tokens(0) == 256             # nothing decoding: a chunk of the full budget
