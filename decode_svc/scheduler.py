@@ -220,6 +220,13 @@ class DecodeScheduler:
         return self.step_budget.prefill_tokens(min(len(self._running), self.max_batch), len(self._prefilling))
 
     @property
+    def step_long_prompt_tokens(self) -> int:
+        """Of those, what the next step may carry for prompts it does not finish (a prompt longer than a
+        chunk drains at this: a refill widens only the prompts it finishes; ``_step``'s ``partial``)."""
+        decoding = min(len(self._running), self.max_batch)
+        return min(self.step_prompt_tokens, self.step_budget.stretch_tokens(decoding))
+
+    @property
     def busy(self) -> bool:
         return bool(self._running or self._prefilling)
 

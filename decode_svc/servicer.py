@@ -385,6 +385,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             queued_prompt_tokens=self.scheduler.queued_prompt_tokens,
             step_prompt_tokens=self.scheduler.step_prompt_tokens,
+            step_long_prompt_tokens=self.scheduler.step_long_prompt_tokens,
             max_batch=self.scheduler.max_observed_batch, max_batch_configured=self.scheduler.max_batch,
             lease_reaped_total=self.table.reaped_total,
             choices_retired_early_total=self.scheduler.choices_retired_early,

@@ -51,6 +51,7 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
         queued_prefill_tokens=stats.queued_prefill_tokens, free_blocks=stats.free_blocks if decode else None,
         queued_prompts=tuple(stats.queued_prompt_tokens) if decode else (),
         step_prompt_tokens=stats.step_prompt_tokens if decode else 0,
+        step_long_prompt_tokens=stats.step_long_prompt_tokens if decode else 0,
         total_blocks=stats.total_blocks, block_size=max(1, stats.block_size),
         ring_groups=stats.ring_groups if decode else 0, ring_blocks=stats.ring_blocks if decode else 0,
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),
@@ -126,7 +127,7 @@ class GatewayAdmission:
         snap = self.snapshot(registry, prefix)
         if own_transfer:
             snap = snap.less_transfer(self.cost_model.kv_bytes(shape.prompt_tokens))
-        return stage_loads(snap, shape, self.cost_model)
+        return stage_loads(snap, shape, self.cost_model, self.settings.prefill_chunk_tokens)
 
     def admit(self, shape: RequestShape, registry: WorkerRegistry, remaining_ms: float, itl_slo_ms: float,
               prefix: PrefixView | None = None) -> Admission:

@@ -230,13 +230,14 @@ class Simulator:
     def loads(self, req: SimRequest, now: float, *, own_transfer: bool = False) -> StageLoads:
         """The policy's inputs for ``req`` now (``own_transfer``: its failed transfer left out of the link)."""
         snap = self.snapshot(now)
-        return stage_loads(snap.less_transfer(req.kv_bytes) if own_transfer else snap, req.shape, self.cm)
+        return stage_loads(snap.less_transfer(req.kv_bytes) if own_transfer else snap, req.shape, self.cm,
+                           self._local_chunks)
 
     def decide(self, shape: RequestShape, snapshot: StatsSnapshot, left_ms: float,
                 pressure: Pressure | None = None) -> Admission:
         """The gateway's verdict on ``snapshot`` (``gateway.admission.GatewayAdmission.admit``), or
         with admission off the placement alone (refused only when no decode worker has the room)."""
-        cfg, loads = self.cfg, stage_loads(snapshot, shape, self.cm)
+        cfg, loads = self.cfg, stage_loads(snapshot, shape, self.cm, self._local_chunks)
         chunks, local = self._transfer_chunks, self._local_chunks
         if cfg.admission:
             return admit(shape, loads, self.cm, cfg.placement, left_ms, cfg.itl_slo_ms, pressure=pressure,  # type: ignore[arg-type]

@@ -231,6 +231,7 @@ async def until_prefilling(address: str, timeout_s: float = 10.0) -> None:
     # each queued prompt's share, as admission prices the worker's least-remaining-first order
     assert stats.queued_prompt_tokens and sum(stats.queued_prompt_tokens) == stats.queued_prefill_tokens
     assert stats.step_prompt_tokens > 0   # how many of them one step may carry, as admission prices the queue
+    assert 0 < stats.step_long_prompt_tokens <= stats.step_prompt_tokens   # ... and of a prompt it does not finish
 
 
 class RecordReservations:

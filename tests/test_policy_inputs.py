@@ -367,3 +367,27 @@ def test_a_refusal_on_time_carries_the_terms_admission_weighed() -> None:
     assert error.terms == {"estimated_ttft_ms": 1175.0, "estimated_queue_ms": 1044.0, "backlog_ms": 601.0,
                            "overrun_ms": 956.0, "remaining_ms": 1995.0}
     assert GatewayAdmission.refusal(Admission(False, None, "no_decode_capacity", 1), 1995.0).terms == {}
+
+
+def test_a_prompt_longer_than_a_chunk_is_priced_at_the_long_prompt_rate() -> None:
+    """A decode worker refilling its batch carries twice a chunk a step for the prompts it finishes, but
+    a prompt longer than a chunk drains at ``step_long_prompt_tokens``: a long prompt (with the caller's
+    chunk given) waits out its queue at that rate; a short one, and any without a chunk, at the step's."""
+    cm = CostModel(prior=CPU_PRIOR.replace(prefill_base_ms=10.0, prefill_ms_per_token=0.1))
+    w = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=800, queued_prompts=(400, 400),
+                     step_prompt_tokens=512, step_long_prompt_tokens=256)
+    shape = RequestShape(400, 32)
+    steps_at = lambda per_step: -(-(800 + 400) // per_step)
+    expected = lambda per_step: cm.queued_prefill_ms(1200, steps_at(per_step)) - cm.prefill_ms(400)
+    assert decode_load(w, shape, cm, 256).queue_wait_ms == pytest.approx(expected(256))
+    assert decode_load(w, shape, cm).queue_wait_ms == pytest.approx(expected(512))   # unchunked: as before
+    assert decode_load(w, RequestShape(200, 32), cm, 256).queue_wait_ms == 0.0       # nothing as short ahead
+    unreported = WorkerReport(Role.DECODE, "d", queue_depth=2, queued_prefill_tokens=800, queued_prompts=(400, 400),
+                              step_prompt_tokens=512)
+    assert decode_load(unreported, shape, cm, 256).queue_wait_ms == pytest.approx(expected(512))
+    assert expected(256) > expected(512)
+    stats = pb.WorkerStats(role="decode", step_prompt_tokens=512, step_long_prompt_tokens=256)
+    assert worker_report("decode", "d", stats, 0).step_long_prompt_tokens == 256
+    assert worker_report("prefill", "p", stats, 0).step_long_prompt_tokens == 0
+    with pytest.raises(ValueError):
+        WorkerReport(Role.DECODE, "d", step_long_prompt_tokens=-1)

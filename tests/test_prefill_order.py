@@ -177,3 +177,21 @@ async def test_nothing_on_the_way_means_no_wait_and_the_wait_is_bounded(adapter)
     steps, scheduler = await _first_token_steps(adapter, [1], decode_ms=20.0, second_after_s=1.0)
     assert steps["a"] == 1 and steps["b"] > 1, steps        # ``b`` came later than 3 decode steps: ``a`` went alone
     assert scheduler.refill_waits == 1 and time.monotonic() - started < 5.0
+
+
+# -- what the worker reports for placement's queue price ----------------------------------------------
+async def test_a_long_prompt_drains_at_the_reported_long_prompt_rate_not_the_refill_budget(adapter):
+    """A refill step (nothing decoding) widens only the prompts it finishes: the worker reports twice a
+    chunk for those (``step_prompt_tokens``) and one chunk for a prompt longer than a chunk
+    (``step_long_prompt_tokens``), and one step drains each at that rate. Priced at the refill's rate,
+    a queue of long colocated prompts looked to drain twice as fast as it does."""
+    pool = KVBlockPool(adapter.kv_layout, 96, 16)
+    scheduler = DecodeScheduler(adapter, pool, prefill_token_budget=16)
+    ids = {"long": text_ids(adapter, 160, 11), "short": text_ids(adapter, 6, 5)}
+    seqs = {n: _sequence(pool, n, len(i)) for n, i in ids.items()}
+    for name in ("long", "short"):
+        scheduler.insert_colocated(seqs[name], adapter.prepare(ids[name], []))
+    assert (scheduler.step_prompt_tokens, scheduler.step_long_prompt_tokens) == (32, 16)
+    await scheduler._step()   # one step, as the loop would take it
+    assert seqs["short"].status is not DecodeStatus.PREFILLING and seqs["long"].prefilled == 16
+    await scheduler.stop()

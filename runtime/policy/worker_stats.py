@@ -12,7 +12,9 @@ decision. Every estimate made here uses only these fields and the cost model:
   prompts no longer than the new one count (the simulator's workers run one prompt at a time,
   not preempted by a shorter one, and report none: every queued token counts); a decode worker
   that reports ``step_prompt_tokens`` batches its queue and the new prompt into steps of that
-  many tokens, so the wait is that drain less the new prompt's own prefill (``local_queue_ms``);
+  many tokens, so the wait is that drain less the new prompt's own prefill (``local_queue_ms``); a
+  prompt longer than one chunk (``local_chunk_tokens``, the chunk the caller asks for) drains at
+  ``step_long_prompt_tokens`` where reported (a refill step widens only the prompts it finishes);
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -70,6 +72,7 @@ class WorkerReport:
     queued_prompts: tuple[int, ...] = ()  # decode: each colocated prompt's share of them, when it serves
     # the least remaining first (empty: every queued token is ahead of a new prompt)
     step_prompt_tokens: int = 0  # decode: prompt tokens one step may carry now (0: not reported, one prompt a step)
+    step_long_prompt_tokens: int = 0  # decode: of those, for prompts longer than a chunk (0: as step_prompt_tokens)
     free_blocks: int | None = None  # decode: free KV blocks (None: not reported, no block check)
     total_blocks: int = 0
     block_size: int = 16
@@ -88,6 +91,7 @@ class WorkerReport:
         self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
         self.cpus = tuple(self.cpus)
         if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.step_prompt_tokens,
+               self.step_long_prompt_tokens,
                self.max_batch, self.in_flight,
                self.cached_prefix_tokens, self.cached_images, *self.queued_prompts) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
@@ -119,15 +123,17 @@ class StatsSnapshot:
                    float(doc.get("kv_bytes", 0.0)))
 
 
-def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel) -> StageLoads:
-    """The policy's inputs for ``shape`` from ``snapshot`` (see the module docstring)."""
+def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel,
+                local_chunk_tokens: int | None = None) -> StageLoads:
+    """The policy's inputs for ``shape`` from ``snapshot`` (see the module docstring); ``local_chunk_tokens``:
+    the chunk a colocated prompt is prefilled in (None: unchunked, every prompt drains as a short one)."""
     decode: list[DecodeWorkerLoad] = []
     prefill: list[PrefillWorkerLoad] = []
     encoder_queue: int | None = None
     for w in snapshot.workers:
         pending = w.queue_depth if w.queue_depth > w.in_flight else w.in_flight
         if w.role is Role.DECODE:
-            decode.append(decode_load(w, shape, cm))
+            decode.append(decode_load(w, shape, cm, local_chunk_tokens))
         elif w.role is Role.PREFILL:
             shared = tuple((d.address, max(0.0, w.cpus_busy, d.cpus_busy)) for d in snapshot.workers
                            if d.role is Role.DECODE and shares_cores(w, d))
@@ -152,7 +158,7 @@ def computes_apart(a: WorkerReport, b: WorkerReport) -> bool:
     return bool(a.cpus and b.cpus and a.host_id and b.host_id) and not shares_cores(a, b)
 
 
-def local_queue_ms(tokens: int, prompts: int, own: int, w: WorkerReport, cm: CostModel) -> float:
+def local_queue_ms(tokens: int, prompts: int, own: int, w: WorkerReport, cm: CostModel, long: bool = False) -> float:
     """How much later a new prompt of ``own`` tokens gets its first token for the ``prompts`` queued
     colocated prompts (``tokens`` between them) ahead of it on decode worker ``w``.
 
@@ -162,17 +168,25 @@ def local_queue_ms(tokens: int, prompts: int, own: int, w: WorkerReport, cm: Cos
     step, only the queued tokens' time). Priced one whole prefill per queued prompt, a demo-model
     burst of three queued 26-token prompts (one ~10 ms step) read ~29 ms, the split path looked
     faster, and 40-60% of some 16-concurrent runs' requests went through the prefill worker at ~25%
-    less throughput. Unreported (0): one prompt after another (``cm.queued_prefill_ms``)."""
+    less throughput. Unreported (0): one prompt after another (``cm.queued_prefill_ms``).
+
+    ``long``: the new prompt is longer than one chunk, so the drain runs at ``step_long_prompt_tokens``
+    where reported: a refill step carries twice a chunk for the prompts it finishes but only its usual
+    budget for the rest, and priced at the refill's rate a queue of long prompts looked to drain up
+    to twice as fast as it does. (The short prompts ahead of it drain faster than that; they are few
+    tokens beside a long prompt's.)"""
     if tokens <= 0:
         return 0.0
     if w.step_prompt_tokens <= 0:
         return cm.queued_prefill_ms(tokens, prompts)
-    steps = max(1, -(-(tokens + own) // w.step_prompt_tokens))
+    per_step = w.step_long_prompt_tokens if long and w.step_long_prompt_tokens else w.step_prompt_tokens
+    steps = max(1, -(-(tokens + own) // per_step))
     wait = cm.queued_prefill_ms(tokens + own, steps) - cm.prefill_ms(own)
     return wait if wait > 0.0 else 0.0
 
 
-def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWorkerLoad:
+def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel,
+                local_chunk_tokens: int | None = None) -> DecodeWorkerLoad:
     """One decode worker's load for ``shape``: neighbours, free slots, local queue and slot wait."""
     slots = w.max_batch or cm.decode_slots
     queued = w.running_seqs + w.queue_depth
@@ -181,11 +195,12 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel) -> DecodeWo
     free = slots - claimed
     cached = max(0, min(w.cached_prefix_tokens, shape.prompt_tokens - 1))
     own = shape.prompt_tokens - cached
+    long = local_chunk_tokens is not None and own > local_chunk_tokens
     if w.queued_prompts:   # least remaining first: only the prompts no longer than this one are ahead
         ahead = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
-        local_ms = local_queue_ms(sum(ahead), len(ahead), own, w, cm)
+        local_ms = local_queue_ms(sum(ahead), len(ahead), own, w, cm, long)
     else:
-        local_ms = local_queue_ms(w.queued_prefill_tokens, w.queue_depth, own, w, cm)
+        local_ms = local_queue_ms(w.queued_prefill_tokens, w.queue_depth, own, w, cm, long)
     slot_wait = 0.0
     if free < shape.choices:  # the (claimed - slots + choices)-th retirement frees the last slot it needs
         steps = (shape.choices - free) * shape.max_tokens / (running + 1)
