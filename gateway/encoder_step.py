@@ -72,16 +72,28 @@ class EncoderStep:
         """Whether a colocated request's images go to ``decode_worker`` as bytes, to be encoded there:
         none known cached (a hit is cheaper at the encoder), and the stall it may put on that worker's
         other sequences within ``colocated_encode_max_ms``: their estimated encode plus what is left of
-        the encodes this gateway sent there before (they run one after another on that worker's model
-        thread, between its steps, so a burst's encodes add up to one gap). Each image sent there
-        extends that worker's expected end of encodes by its estimate; the end passes with time."""
+        the encodes this gateway sent there before (they run on that worker's model thread, between its
+        steps, so a burst's encodes add up to one gap). Each image sent there extends that worker's
+        expected end of encodes by what it adds; the end passes with time.
+
+        What an encode adds: with nothing ahead there, a tower call (``CostModel.encode_ms``); with
+        encodes still ahead, only its images' per-image time (``CostModel.encode_added_ms``), since
+        the worker takes every encode waiting for its model thread in one tower call
+        (``decode_svc/local_encode.py``). A burst that arrives while a call runs is one more call, so
+        the fixed cost is counted once per burst where it is paid once per turn of the model thread.
+        Priced as whole calls one after another, a demo-model burst of 16 (a call 3.6 ms plus 0.36 ms
+        an image on a 2-core host) looked like 64 ms of encodes: two went to the decode worker and 14 to
+        the encoder, three RPCs each on the gateway's loop instead of one, and the refill step waited
+        for them (bench/RESULTS.md). A model whose one image is over the budget (the bench model's
+        ~12 ms) never goes there."""
         if not plan.needs_encode or plan.n_cached or self.colocated_encode_max_ms <= 0:
             return False
         now = time.monotonic()
         for worker in [w for w, end in self._encodes_end.items() if end <= now]:   # passed: nothing left there
             del self._encodes_end[worker]
-        estimate = cost_model.encode_ms(len(plan.refs))
         ahead_ms = max(0.0, self._encodes_end.get(decode_worker, now) - now) * 1000
+        n = len(plan.refs)
+        estimate = cost_model.encode_added_ms(n) if ahead_ms > 0 else cost_model.encode_ms(n)
         if ahead_ms + estimate > self.colocated_encode_max_ms:
             return False
         self._encodes_end[decode_worker] = now + (ahead_ms + estimate) / 1000

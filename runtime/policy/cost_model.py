@@ -250,6 +250,10 @@ class CostModel:
         hits = self._prior.encode_cache_hit_ms * n_cached
         return hits + (self.encode.intercept + self.encode.slope * new if new else 0.0)
 
+    def encode_added_ms(self, n_images: int) -> float:
+        """What ``n_images`` new images add to a tower call that encodes others too: their per-image time alone."""
+        return max(0.0, self.encode.slope) * n_images
+
     def remote_ttft_ms(self, tokens: int, chunk_tokens: int | None = None, batch: int = 1) -> float:
         """Idle-pipeline TTFT of remote prefill: prefill + transfer (+ overlap) + one decode step."""
         return self.transfer_done_ms(tokens, chunk_tokens) + self.decode_step_ms(batch)
