@@ -67,6 +67,7 @@ class EncoderStep:
         self.inline_up_to_bytes = inline_up_to_bytes
         self.colocated_encode_max_ms = colocated_encode_max_ms
         self._encodes_end: dict[str, float] = {}   # decode worker -> monotonic time the encodes sent there should end
+        self._call_waiting: set[str] = set()        # decode workers where a tower call waits behind the running one
 
     def encode_on_decode(self, plan: ImagePlan, cost_model: CostModel, decode_worker: str) -> bool:
         """Whether a colocated request's images go to ``decode_worker`` as bytes, to be encoded there:
@@ -76,27 +77,30 @@ class EncoderStep:
         steps, so a burst's encodes add up to one gap). Each image sent there extends that worker's
         expected end of encodes by what it adds; the end passes with time.
 
-        What an encode adds: with nothing ahead there, a tower call (``CostModel.encode_ms``); with
-        encodes still ahead, only its images' per-image time (``CostModel.encode_added_ms``), since
-        the worker takes every encode waiting for its model thread in one tower call
-        (``decode_svc/local_encode.py``). A burst that arrives while a call runs is one more call, so
-        the fixed cost is counted once per burst where it is paid once per turn of the model thread.
-        Priced as whole calls one after another, a demo-model burst of 16 (a call 3.6 ms plus 0.36 ms
-        an image on a 2-core host) looked like 64 ms of encodes: two went to the decode worker and 14 to
-        the encoder, three RPCs each on the gateway's loop instead of one, and the refill step waited
-        for them (bench/RESULTS.md). A model whose one image is over the budget (the bench model's
-        ~12 ms) never goes there."""
+        What an encode adds: the worker runs the first encode of a burst at once, alone, and takes every
+        encode that arrives meanwhile in one tower call after it (``decode_svc/local_encode.py``). So the
+        first request sent there while nothing is ahead adds a call (``CostModel.encode_ms``), the next
+        one opens the call that waits behind it (another), and every later one while encodes are still
+        ahead joins that call with its per-image time alone (``CostModel.encode_added_ms``). Priced as
+        whole calls one after another, a demo-model burst of 16 (a call 3.6 ms plus 0.36 ms an image on
+        a 2-core host) looked like 64 ms of encodes where two calls take ~13: two went to the decode
+        worker and 14 to the encoder, three RPCs each on the gateway's loop instead of one, and the
+        refill step waited for them (bench/RESULTS.md)."""
         if not plan.needs_encode or plan.n_cached or self.colocated_encode_max_ms <= 0:
             return False
         now = time.monotonic()
         for worker in [w for w, end in self._encodes_end.items() if end <= now]:   # passed: nothing left there
             del self._encodes_end[worker]
+            self._call_waiting.discard(worker)
         ahead_ms = max(0.0, self._encodes_end.get(decode_worker, now) - now) * 1000
         n = len(plan.refs)
-        estimate = cost_model.encode_added_ms(n) if ahead_ms > 0 else cost_model.encode_ms(n)
+        joins = ahead_ms > 0 and decode_worker in self._call_waiting
+        estimate = cost_model.encode_added_ms(n) if joins else cost_model.encode_ms(n)
         if ahead_ms + estimate > self.colocated_encode_max_ms:
             return False
         self._encodes_end[decode_worker] = now + (ahead_ms + estimate) / 1000
+        if ahead_ms > 0:
+            self._call_waiting.add(decode_worker)
         return True
 
     def sent_to_decode(self, plan: ImagePlan, breakdown: dict[str, float]) -> None:

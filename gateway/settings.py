@@ -54,7 +54,7 @@ class GatewaySettings(BaseSettings):
         default="conditional", description="gateway: `conditional` (per request, by cost), `colocated` or `disaggregated`")
     prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
     inline_embedding_bytes: int = Field(default=MiB, ge=0, le=64 * MiB, description="gateway: an encoded image's embedding of at most this many bytes comes back with Encode and rides inline on the Generate or Prefill that follows, so that worker need not fetch it (0: always fetched by key)")
-    colocated_encode_max_ms: float = Field(default=10.0, ge=0, description="gateway: a colocated request whose images are all new goes to its decode worker with their bytes, and that worker encodes them itself (one hop less before the first token), when the cost model puts their encode, plus what is left of the encodes this gateway sent to that worker before, at most this many milliseconds: the stall it may put on that worker's other sequences (0: always the encoder)")
+    colocated_encode_max_ms: float = Field(default=15.0, ge=0, description="gateway: a colocated request whose images are all new goes to its decode worker with their bytes, and that worker encodes them itself (one hop less before the first token), when the cost model puts their encode, plus what is left of the encodes this gateway sent to that worker before, at most this many milliseconds: the stall it may put on that worker's other sequences (0: always the encoder)")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="graceful drain on SIGTERM, seconds")
     internal_token: SecretStr | None = Field(default=None, description="shared secret every worker RPC and bulk KV stream must carry")
 

@@ -2,9 +2,9 @@
 
 Encodes sent to a decode worker run on its model thread, between its steps: a burst of them is one
 gap for every sequence running there. So the rule is the stall budget ``colocated_encode_max_ms``
-for the encodes still ahead on that worker plus the new one, estimated by the cost model: a tower
-call for the first of a burst, then each one's per-image time alone (the worker takes every encode
-waiting for its model thread in one call). The clock is faked; the end-to-end path (the bytes, the encode on
+for the encodes still ahead on that worker plus the new one, estimated by the cost model: the first of
+a burst runs alone and the second opens the tower call that waits behind it (a call each), and every
+later one joins that call with its per-image time alone. The clock is faked; the end-to-end path (the bytes, the encode on
 decode, the store) is ``tests/test_colocated_encode.py``.
 """
 
@@ -48,15 +48,18 @@ def test_a_burst_goes_to_decode_until_its_encodes_would_stall_past_the_budget(cl
     costs = CostModel()                                                  # a call 10 ms, 40 ms an image
     one, more = costs.encode_ms(1), costs.encode_added_ms(1)
     assert (one, more) == (50.0, 40.0)
-    s = step(one + more + 1)
-    assert [s.encode_on_decode(new_images(), costs, "decode-a") for _ in range(3)] == [True, True, False]
+    s = step(2 * one + more + 1)
+    sent = [s.encode_on_decode(new_images(), costs, "decode-a") for _ in range(4)]
+    assert sent == [True, True, True, False]                             # a call, a call, then joining the second
     assert s.encode_on_decode(new_images(), costs, "decode-b")          # another worker's model thread is free
-    clock.now += one / 1000                                              # one encode ran
-    assert s.encode_on_decode(new_images(), costs, "decode-a")          # one image's time was left: one more fits
+    clock.now += one / 1000                                              # one call ran
+    assert s.encode_on_decode(new_images(), costs, "decode-a")          # what ran left room for one image more
     assert not s.encode_on_decode(new_images(), costs, "decode-a")
     clock.now += 10 * one / 1000                                         # all ran: the worker is free again
     assert s.encode_on_decode(new_images(), costs, "decode-a")
-    assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(one)   # a whole call again
+    assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(one)   # a call alone again
+    assert s.encode_on_decode(new_images(), costs, "decode-a")          # ... and the one behind it another
+    assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(2 * one)
 
 
 def test_a_request_whose_own_encode_is_over_the_budget_goes_to_the_encoder(clock):
@@ -74,16 +77,15 @@ def test_cached_images_and_a_zero_budget_never_go_to_decode(clock):
     assert not step(0.0).encode_on_decode(new_images(1), costs, "decode-a")
 
 
-def test_a_burst_adds_only_its_per_image_time_to_the_encodes_ahead(clock):
+def test_a_burst_joins_the_waiting_tower_call_with_its_per_image_time(clock):
     """The demo model's fit on a 2-core host: a tower call 3.6 ms plus 0.36 ms an image. A burst of 16
-    fits the 10 ms budget (3.96 + 15 x 0.36 = 9.36 ms, less what ran meanwhile). Priced as 16 whole
-    calls one after another, two went to the decode worker and 14 to the encoder."""
+    arriving together: the first runs alone, the second opens the call that waits behind it, the other
+    14 join that call: 2 x 3.96 + 14 x 0.36 = 12.96 ms, within the 15 ms default. Priced as 16 whole
+    calls one after another (63 ms), three went to the decode worker and 13 to the encoder."""
     costs = CostModel(prior=ServiceTimes(encode_base_ms=3.6, encode_ms_per_image=0.36))
-    s = step(10.0)
-    sent = []
-    for _ in range(16):
-        sent.append(s.encode_on_decode(new_images(), costs, "decode-a"))
-        clock.now += 0.0002                      # 0.2 ms of intake between requests
+    s = step(15.0)
+    sent = [s.encode_on_decode(new_images(), costs, "decode-a") for _ in range(16)]
     assert sent == [True] * 16
-    assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(3.96 + 15 * 0.36 - 16 * 0.2)
+    assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(2 * 3.96 + 14 * 0.36)
     assert costs.encode_added_ms(3) == pytest.approx(3 * 0.36)
+    assert step(15.0).encode_on_decode(new_images(), costs, "decode-a")
