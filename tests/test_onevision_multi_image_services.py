@@ -69,14 +69,19 @@ async def test_a_picture_alone_and_in_a_pair_is_two_cache_entries_and_both_repli
     keys = {v: image_content_key(x, stats.model_fingerprint, stats.preprocess_digest, "", v) for v in ("", MULTI_IMAGE)}
     assert keys[""] != keys[MULTI_IMAGE]
     assert list((await encoder.Cached(pb.CachedRequest(cache_keys=list(keys.values())))).cached) == [False, False]
+    decode = stubs[1]
+
+    async def encodes() -> int:   # at the encoder, or on the colocated decode worker from the bytes
+        return (await encoder.Stats(pb.StatsRequest())).computes + (await decode.Stats(pb.StatsRequest())).computes
+
     async with orchestrator(stack, placement, 7, leaks) as o:
         assert await run(o, stack, alone) == (alone.expected, alone.finish)
-        computed = (await encoder.Stats(pb.StatsRequest())).computes
+        computed = await encodes()
         assert await run(o, stack, pair) == (pair.expected, pair.finish)
         # x's entry from the first request was not used for the pair: x and y were both encoded
-        assert (await encoder.Stats(pb.StatsRequest())).computes == computed + 2
+        assert await encodes() == computed + 2
         assert await run(o, stack, alone) == (alone.expected, alone.finish)   # from the cache: its own form
-        assert (await encoder.Stats(pb.StatsRequest())).computes == computed + 2
+        assert await encodes() == computed + 2
     assert list((await encoder.Cached(pb.CachedRequest(cache_keys=list(keys.values())))).cached) == [True, True]
     fetched = await encoder.Encode(pb.EncodeRequest(request_id="fetch", return_embeddings=True, images=[
         pb.EncodeImage(ref=pb.ImageRef(cache_key=k, layout_variant=v)) for v, k in keys.items()]))
