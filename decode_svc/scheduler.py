@@ -298,8 +298,8 @@ class DecodeScheduler:
             return
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
-        budget = self.step_budget.prefill_tokens(len(decoding), len(self._prefilling))
-        partial = min(budget, self.step_budget.stretch_tokens(len(decoding)))   # for prompts this step does not finish
+        budget = self.step_prompt_tokens          # what Stats reports, so placement prices what the step does
+        partial = self.step_long_prompt_tokens    # of it, for prompts this step does not finish
         for seq in prefill_order(self._prefilling, self.step_budget.token_ms, time.monotonic()):
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
