@@ -144,8 +144,10 @@ class Choices:
     async def close(self) -> None:
         """Release the backend's generator (idempotent); drained first when the backend finished every choice."""
         finished, self._drain = self._drain and all(g.backend_finished for g in self.gens), False
-        if finished:
-            with contextlib.suppress(StopAsyncIteration, TimeoutError):
-                async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                    await anext(self.stream.events)
-        await self.stream.close()
+        try:
+            if finished:
+                with contextlib.suppress(StopAsyncIteration, TimeoutError):
+                    async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                        await anext(self.stream.events)
+        finally:   # a cancelled drain (the client gone meanwhile) still closes it
+            await self.stream.close()

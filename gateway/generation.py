@@ -76,10 +76,12 @@ class Generation:
         string, ``max_tokens`` cut here, client gone, error) ``aclose()`` is the
         cancel signal.
         """
-        if self._backend_finished:
-            self._backend_finished = False
-            await self._drain()
-        await self.events.aclose()  # type: ignore[attr-defined]  # ChatBackend.generate is an async generator
+        try:
+            if self._backend_finished:
+                self._backend_finished = False
+                await self._drain()
+        finally:   # a cancelled drain (the client gone meanwhile) still closes it
+            await self.events.aclose()  # type: ignore[attr-defined]  # ChatBackend.generate is an async generator
 
     async def _drain(self) -> None:
         try:

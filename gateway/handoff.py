@@ -45,6 +45,7 @@ with a finish reason means decode retired the sequence and freed the blocks itse
 other end (a failure, a stop string, the client gone) releases it exactly once, in
 ``events``' ``finally``, which also settles the last attempt's Prefill RPC and drops the
 gateway's ``inflight`` count on the decode worker (one per choice: the batch slots it takes).
+That freeing runs as its own task (``_close``), so a cancelled request task cannot cut it short.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ from .worker_registry import WorkerHandle, WorkerRegistry
 from .worker_rpc import WorkerRpc
 
 log = logging.getLogger("epd.gateway")
+
+# handoffs' freeing still running after their request's task was cancelled (kept from collection)
+_CLOSING: set[asyncio.Task] = set()
 
 # after the last token, how long a Prefill RPC still finishing may take before it is cancelled
 # (decode verified the transfer before its first event, so the reply is normally already in)
@@ -290,24 +294,39 @@ class Handoff:
         task.add_done_callback(self._retiring.discard)
 
     async def _close(self) -> None:
-        self.job.choice_ends.listen(None)
-        if self._retiring:   # before the whole release: both are idempotent, but the order keeps the counts true
-            await asyncio.gather(*self._retiring, return_exceptions=True)
-        if self.state is HandoffState.FINISHED and self.prefix is not None:
-            # decode retired the sequence and cached its full prompt blocks before its last event:
-            # the summary knows it now, before the next poll brings the worker's own
-            keys = self.prefix.keys_for(self.decode)
-            if keys:
-                self.decode.prefix_summary = self.decode.prefix_summary | {summary_id(k) for k in keys}
-        if self.reservation is not None:
-            await self.rpc.release(self.decode, self.reservation, self.job, "request ended")
-            self.reservation = None
-        if self.result is not None:
-            if self.state is not HandoffState.FINISHED:
-                self.result.close_stream()
-            if self.result.prefill is not None:
-                await self.result.prefill.settle(PREFILL_SETTLE_S if self.state is HandoffState.FINISHED else 0.0)
-        self.decode.inflight -= self.job.sampling.n
+        """Free what the request holds, to the end, even when the request's task is cancelled.
+
+        A client gone makes the HTTP server cancel the request's task at every await it reaches
+        (anyio's cancel scopes), this ``finally`` included; cut at its first await, the rest (the
+        Prefill call, the ``inflight`` count) would stay held. So the freeing is its own task,
+        awaited shielded: a cancelled wait leaves it running to its end (``_CLOSING`` keeps it)."""
+        freeing = asyncio.ensure_future(self._free())
+        _CLOSING.add(freeing)
+        freeing.add_done_callback(_freed)
+        await asyncio.shield(freeing)
+
+    async def _free(self) -> None:
+        """The freeing itself, in order; the ``inflight`` count drops last, whatever happened before."""
+        try:
+            self.job.choice_ends.listen(None)
+            if self._retiring:   # before the whole release: both are idempotent, but the order keeps the counts true
+                await asyncio.gather(*self._retiring, return_exceptions=True)
+            if self.state is HandoffState.FINISHED and self.prefix is not None:
+                # decode retired the sequence and cached its full prompt blocks before its last event:
+                # the summary knows it now, before the next poll brings the worker's own
+                keys = self.prefix.keys_for(self.decode)
+                if keys:
+                    self.decode.prefix_summary = self.decode.prefix_summary | {summary_id(k) for k in keys}
+            if self.reservation is not None:
+                await self.rpc.release(self.decode, self.reservation, self.job, "request ended")
+                self.reservation = None
+            if self.result is not None:
+                if self.state is not HandoffState.FINISHED:
+                    self.result.close_stream()
+                if self.result.prefill is not None:
+                    await self.result.prefill.settle(PREFILL_SETTLE_S if self.state is HandoffState.FINISHED else 0.0)
+        finally:
+            self.decode.inflight -= self.job.sampling.n
 
     def _move_to(self, decode: WorkerHandle) -> None:
         self.decode.inflight -= self.job.sampling.n
@@ -327,6 +346,12 @@ class Handoff:
         m.FAILURE_ACTIONS.labels("other_decode").inc()
         log.warning("decode worker %s is gone; placing the request on another", lost.address)
         return least_loaded_decode(others)
+
+
+def _freed(task: asyncio.Task) -> None:
+    _CLOSING.discard(task)
+    if not task.cancelled() and task.exception() is not None:   # nobody awaits it when the request was cancelled
+        log.error("freeing a request's resources failed", exc_info=task.exception())
 
 
 async def _cancel(task: asyncio.Task) -> BaseException | None:

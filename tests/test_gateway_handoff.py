@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+import anyio
 import grpc
 import pytest
 
@@ -278,6 +279,35 @@ async def test_a_client_gone_after_the_first_token_releases_once_and_stops_the_p
     call = handoff.result.prefill.task
     assert call.done() and call.cancelled() and prefill.replied == 0
     assert handoff.result.stream.cancelled
+    assert inflight(registry) == {"d1": 0, "p1": 0}
+    assert not await tasks_left()
+
+
+async def test_a_client_gone_while_the_server_cancels_every_await_still_frees_everything():
+    """The HTTP server cancels a gone client's request at every await (anyio's cancel scope),
+    the generator's ``finally`` included: the release, the Prefill call and ``inflight`` all end."""
+    prefill = FakePrefill(gate=asyncio.Event())     # still running when the client leaves
+    decode = FakeDecode([FakeStream([token([5], prefill_ms=1.0), token([6]), token([7], "stop")])])
+    registry = registry_with(decode_d1=decode, prefill_p1=prefill)
+    handoff = make_handoff(registry)
+    first = asyncio.Event()
+
+    async def client() -> None:
+        async with contextlib.aclosing(handoff.events()) as events:
+            await anext(events)
+            first.set()
+            await anyio.sleep_forever()   # the stream waits on the client, which is gone
+
+    async with anyio.create_task_group() as server:
+        server.start_soon(client)
+        await first.wait()
+        server.cancel_scope.cancel()
+    for _ in range(100):   # the freeing may finish after the cancelled task: it must finish, soon
+        if not await tasks_left():
+            break
+        await asyncio.sleep(0.01)
+    assert decode.released == ["r1"]
+    assert handoff.result.prefill.task.cancelled() and prefill.replied == 0
     assert inflight(registry) == {"d1": 0, "p1": 0}
     assert not await tasks_left()
 
