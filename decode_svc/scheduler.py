@@ -13,7 +13,9 @@ budget: while sequences decode, ``step_budget.StepBudget`` prices the prompt tok
 step may carry so it stays near a decode step's own time), so a long colocated prompt
 is spread across steps instead of stalling its neighbours. A step with at least as many
 prompts waiting as sequences decoding refills the batch in one go (the step budget's refill
-budget); before it, the loop waits up to ``REFILL_WAIT_STEPS`` decode steps for the colocated
+budget, for the short prompts it finishes: a prompt longer than a chunk drains at the usual
+budget to its last token, whose chunk its decoding neighbours would otherwise take as one gap);
+before it, the loop waits up to ``REFILL_WAIT_STEPS`` decode steps for the colocated
 prompts already on their way here (reserved, their images still being encoded or fetched:
 ``prompts_on_the_way``), so a burst whose requests reach this worker a few milliseconds apart
 starts decoding in one step rather than in groups that stay staggered, each later group's
@@ -139,6 +141,7 @@ class DecodeScheduler:
             return
         seq.prompt = prompt
         seq.prefill_chunk = chunk_tokens
+        seq.long_prompt = seq.prompt_len - seq.prefilled > (chunk_tokens or self.prefill_token_budget)
         seq._status = DecodeStatus.PREFILLING
         self._prefilling.append(seq)
         self._wake.set()
@@ -221,8 +224,9 @@ class DecodeScheduler:
 
     @property
     def step_long_prompt_tokens(self) -> int:
-        """Of those, what the next step may carry for prompts it does not finish (a prompt longer than a
-        chunk drains at this: a refill widens only the prompts it finishes; ``_step``'s ``partial``)."""
+        """Of those, what the next step may carry for a prompt longer than a chunk and for the prompts it
+        does not finish (a long prompt drains at this to its end: a refill widens only the short prompts
+        it finishes; ``_step``'s ``partial``)."""
         decoding = min(len(self._running), self.max_batch)
         return min(self.step_prompt_tokens, self.step_budget.stretch_tokens(decoding))
 
@@ -299,18 +303,21 @@ class DecodeScheduler:
         decoding = self._running[: self.max_batch]
         chunks: list[tuple[Sequence, int, int]] = []
         budget = self.step_prompt_tokens          # what Stats reports, so placement prices what the step does
-        partial = self.step_long_prompt_tokens    # of it, for prompts this step does not finish
+        partial = self.step_long_prompt_tokens    # of it, for long prompts and those this step does not finish
         for seq in prefill_order(self._prefilling, self.step_budget.token_ms, time.monotonic()):
             if budget <= 0 or len(decoding) + len(chunks) >= self.max_batch:
                 break
             start = seq.prefilled
             chunk = min(budget, seq.prefill_chunk or self.prefill_token_budget)   # a refill's budget is wider than a chunk
-            if start + chunk < seq.prompt_len:   # not finished in this step: a refill does not widen its chunk
+            # a refill widens only the short prompts it finishes: not one it leaves unfinished, and not
+            # a long prompt's last chunk (its decoding neighbours would take the whole chunk as one gap)
+            drains = seq.long_prompt or start + chunk < seq.prompt_len
+            if drains:
                 chunk = min(chunk, partial)
                 if chunk <= 0:
                     continue
             end = seq.prompt.chunk_end(start, chunk)   # whole image spans
-            if end < seq.prompt_len:
+            if drains:
                 partial -= end - start
             chunks.append((seq, start, end))
             budget -= end - start

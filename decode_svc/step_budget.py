@@ -10,7 +10,8 @@ than the full budget; at least ``min_tokens`` always go in (no prompt starves be
 A step with at least as many prompts waiting as sequences decoding (nothing decoding included)
 *refills* the batch and takes the refill budget, ``refill_tokens`` (twice the full budget unless
 given; each prompt still at most a chunk of the full budget, and the chunks of prompts the step
-does not finish together within the usual budget, ``stretch_tokens``): a burst then starts decoding
+does not finish, and of prompts longer than a chunk to their last token, together within the usual
+budget, ``stretch_tokens``): a burst then starts decoding
 together, and the steps after it carry no prompt beside its decoders. Spread one prompt per step
 instead, a closed-loop burst of 16 short prompts on the bench model put a prompt beside the
 decoders in a third of all steps, each ~2x a decode step, and the groups it started stayed
@@ -49,7 +50,7 @@ class StepBudget:
 
     def stretch_tokens(self, decoding: int) -> int:
         """The prompt tokens a step may carry beside ``decoding`` running sequences outside a refill,
-        and in a refill for the prompts it does not finish (a long prompt's chunk)."""
+        and in a refill for a prompt longer than a chunk and the prompts it does not finish."""
         if not decoding or self.decode_ms is None or not self.token_ms:
             return self.full_tokens
         allowed_ms = max(self.stretch * self.decode_ms, self.floor_ms)

@@ -195,3 +195,30 @@ async def test_a_long_prompt_drains_at_the_reported_long_prompt_rate_not_the_ref
     await scheduler._step()   # one step, as the loop would take it
     assert seqs["short"].status is not DecodeStatus.PREFILLING and seqs["long"].prefilled == 16
     await scheduler.stop()
+
+
+async def test_a_refill_beside_decodes_drains_a_long_prompt_to_its_end_at_the_long_rate(adapter):
+    """A prompt longer than a chunk drains at ``step_long_prompt_tokens`` to its last token: a refill
+    step does not widen its last chunk, which its decoding neighbours would take as one gap (on the
+    bench model a 223-token last chunk beside decodes was a 1.0-1.3 s inter-token gap)."""
+    pool = KVBlockPool(adapter.kv_layout, 96, 16)
+    scheduler = DecodeScheduler(adapter, pool, prefill_token_budget=32)
+    ids = {"chat": text_ids(adapter, 6, 5), "long": text_ids(adapter, 40, 11)}
+    seqs = {n: _sequence(pool, n, len(i)) for n, i in ids.items()}
+    scheduler.insert_colocated(seqs["chat"], adapter.prepare(ids["chat"], []))
+    await scheduler._step()   # the chat's prompt: it decodes from now on
+    assert seqs["chat"].status is DecodeStatus.RUNNING
+    budget = scheduler.step_budget
+    budget.decode_ms, budget.token_ms = 1.0, 10.0   # a prompt token priced dear beside decodes...
+    budget.observe = lambda *_: None                # ...and kept so
+    scheduler.insert_colocated(seqs["long"], adapter.prepare(ids["long"], []))
+    # one prompt waiting, one sequence decoding: a refill step (64 tokens), 16 of them for a long prompt
+    assert (scheduler.step_prompt_tokens, scheduler.step_long_prompt_tokens) == (64, 16)
+    drained, beside = [], []
+    while seqs["long"].status is DecodeStatus.PREFILLING:
+        beside.append(seqs["chat"].status)
+        await scheduler._step()
+        drained.append(seqs["long"].prefilled)
+    assert drained == [16, 32, 40]
+    assert beside[:2] == [DecodeStatus.RUNNING] * 2   # the chat decoded beside the chunks (the last one: EOS or not)
+    await scheduler.stop()

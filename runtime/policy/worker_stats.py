@@ -14,7 +14,7 @@ decision. Every estimate made here uses only these fields and the cost model:
   that reports ``step_prompt_tokens`` batches its queue and the new prompt into steps of that
   many tokens, so the wait is that drain less the new prompt's own prefill (``local_queue_ms``); a
   prompt longer than one chunk (``local_chunk_tokens``, the chunk the caller asks for) drains at
-  ``step_long_prompt_tokens`` where reported (a refill step widens only the prompts it finishes);
+  ``step_long_prompt_tokens`` where reported (a refill step widens only the short prompts it finishes);
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -171,8 +171,8 @@ def local_queue_ms(tokens: int, prompts: int, own: int, w: WorkerReport, cm: Cos
     less throughput. Unreported (0): one prompt after another (``cm.queued_prefill_ms``).
 
     ``long``: the new prompt is longer than one chunk, so the drain runs at ``step_long_prompt_tokens``
-    where reported: a refill step carries twice a chunk for the prompts it finishes but only its usual
-    budget for the rest, and priced at the refill's rate a queue of long prompts looked to drain up
+    where reported, to its last token: a refill step carries twice a chunk for the short prompts it
+    finishes but only its usual budget for the rest, and priced at the refill's rate a queue of long prompts looked to drain up
     to twice as fast as it does. (The short prompts ahead of it drain faster than that; they are few
     tokens beside a long prompt's.)"""
     if tokens <= 0:
