@@ -302,8 +302,12 @@ class Handoff:
         awaited shielded: a cancelled wait leaves it running to its end (``_CLOSING`` keeps it)."""
         freeing = asyncio.ensure_future(self._free())
         _CLOSING.add(freeing)
-        freeing.add_done_callback(_freed)
-        await asyncio.shield(freeing)
+        freeing.add_done_callback(_CLOSING.discard)
+        try:
+            await asyncio.shield(freeing)
+        except asyncio.CancelledError:
+            freeing.add_done_callback(_log_failure)   # nobody awaits it now
+            raise
 
     async def _free(self) -> None:
         """The freeing itself, in order; the ``inflight`` count drops last, whatever happened before."""
@@ -348,10 +352,9 @@ class Handoff:
         return least_loaded_decode(others)
 
 
-def _freed(task: asyncio.Task) -> None:
-    _CLOSING.discard(task)
-    if not task.cancelled() and task.exception() is not None:   # nobody awaits it when the request was cancelled
-        log.error("freeing a request's resources failed", exc_info=task.exception())
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("freeing a cancelled request's resources failed", exc_info=task.exception())
 
 
 async def _cancel(task: asyncio.Task) -> BaseException | None:
