@@ -287,7 +287,7 @@ def test_a_burst_is_priced_at_the_rate_its_queue_drained_not_the_closed_loops_ar
     assert verdict.ok and verdict.backlog_ms == pytest.approx(1200.0)
 
 
-def test_the_drain_fit_is_trusted_only_with_enough_spread_and_a_rising_ttft():
+def test_the_drain_fit_is_trusted_only_with_enough_spread_and_reads_a_flat_ttft_as_no_queue():
     from runtime.policy.drain_fit import DrainFit
 
     one_at_a_time = DrainFit(window=5.0, min_samples=8)
@@ -296,8 +296,8 @@ def test_the_drain_fit_is_trusted_only_with_enough_spread_and_a_rising_ttft():
     assert one_at_a_time.rate_per_s(2.0) is None                    # every request had 0 ahead: no slope
     flat = DrainFit(window=5.0, min_samples=8)
     for i in range(20):
-        flat.add(i * 0.1, i % 8, 300.0 - i % 8)                      # later with fewer ahead: no drain seen
-    assert flat.rate_per_s(2.0) is None
+        flat.add(i * 0.1, i % 8, 300.0 - i % 8)                      # the ones ahead served in the same step
+    assert flat.rate_per_s(2.0) == pytest.approx(1000.0)            # waiting behind them costs nothing
     few = DrainFit(window=5.0, min_samples=8)
     for i in range(7):
         few.add(i * 0.1, i, 100.0 + 50.0 * i)
@@ -321,3 +321,34 @@ def test_the_simulator_prices_a_burst_at_the_rate_its_queue_drained():
     for _ in range(15):
         sim.admitted(4990.0)
     assert sim.inputs(5000.0).backlog_ms() == pytest.approx(16 * 75.0)
+
+
+def test_a_wave_served_in_one_step_is_not_priced_as_a_queue(monkeypatch):
+    """Bench-short on a slow host: each closed-loop wave of 16 gets its first tokens in one refill
+    step, 1.1-1.4 s after admission whatever the number ahead. The wait they share is the overrun
+    margin's; priced again as a backlog of the window's rate, the wave's last requests were refused
+    (estimate 208 ms, queue 21, backlog 679 and margin 1127 against 1988 ms left), though those
+    admitted just before had TTFTs of ~1.1 s."""
+    from runtime.policy.cost_model import CostModel
+    from runtime.policy.loads import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads
+    from runtime.policy.placement_policy import admit
+
+    clock = [100.0]
+    monkeypatch.setattr("gateway.pressure.time.monotonic", lambda: clock[0])
+    p = FirstTokenPressure(window_s=5.0, min_samples=8)
+    for wave in range(3):                       # three waves, ~1.6 s apart, 1.1 s to their first tokens
+        for ahead in range(16):
+            p.admitted()
+        clock[0] += 1.1
+        for ahead in range(16):
+            p.left(got_first_token=True, overrun_ms=900.0 + 20 * (15 - ahead), ahead=ahead,
+                   ttft_ms=1130.0 - 3.0 * ahead)
+        clock[0] += 0.5
+    for _ in range(15):
+        p.admitted()                            # the next wave: 15 already admitted, the 16th arrives
+    state = StageLoads(decode=(DecodeWorkerLoad("d0", running_seqs=0),), prefill=(PrefillWorkerLoad("p0"),))
+    verdict = admit(RequestShape(26, 32), state, CostModel(), "conditional", 1988.0, 500.0, pressure=p.inputs())
+    assert verdict.ok, verdict
+    assert p.drain_rate_per_s() == pytest.approx(1000.0)
+    assert p.wait_ms() == pytest.approx(15.0)   # not 15 at the window's rate (under 25/s): 600 ms and more
+    assert p.rate_per_s() < 25.0

@@ -13,8 +13,14 @@ waiting when it was admitted, its TTFT from admission), and the least-squares sl
 requests ahead over the window is the time one more request ahead costs. ``1000 / slope`` is a
 rate in first tokens per second that the pressure trackers (the gateway's
 ``FirstTokenPressure``, the simulator's ``SimPressure``) weigh beside their own. None when it
-cannot be trusted: too few samples, too little spread in the queue lengths they saw (one at a
-time every request has 0 ahead), or a slope that is not positive.
+cannot be trusted: too few samples, or too little spread in the queue lengths they saw (one at a
+time every request has 0 ahead). A slope under ``MIN_SLOPE_MS``, flat or falling, says the
+requests ahead cost nothing to wait behind: they got their first tokens in the same steps, as a
+refill step starts a closed-loop burst together. It reads as that floor (1000/s), so the backlog
+term is near 0 and the wait they all shared is the overrun margin's, learnt from their TTFTs.
+Read as untrusted instead, it left the window's rate to price the burst: on a slower host the
+bench-short waves' TTFTs were 1.1-1.4 s whatever the number ahead, yet the 16th of a wave was
+priced 680 ms of backlog beside a 1.1 s margin against 2 s left, and 18 of 48 were refused.
 
 Sums are kept as samples come and go, so a read costs only the samples that left the window
 (at 150 first tokens/s a 5-second window holds ~750). Time is in the caller's unit (seconds in
@@ -27,6 +33,8 @@ from collections import deque
 
 # Below this variance of requests-ahead the slope is noise (at c1 every sample has 0 ahead).
 MIN_AHEAD_VARIANCE = 2.0
+# A fitted cost per request ahead below this (flat or falling TTFTs) reads as this: the queue drains at once.
+MIN_SLOPE_MS = 1.0
 
 
 class DrainFit:
@@ -55,7 +63,7 @@ class DrainFit:
         if sxx < MIN_AHEAD_VARIANCE * n:
             return None
         slope_ms = (self._sxy - self._sx * self._sy / n) / sxx
-        return 1000.0 / slope_ms if slope_ms > 0 else None
+        return 1000.0 / (slope_ms if slope_ms > MIN_SLOPE_MS else MIN_SLOPE_MS)
 
     def _count(self, x: int, y: float, sign: int) -> None:
         self._n += sign
