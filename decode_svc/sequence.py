@@ -50,7 +50,7 @@ class Sequence:
     prompt: PreparedPrompt | None = None
     prefilled: int = 0
     prefill_chunk: int | None = None   # most prompt tokens per step (the request's chunk size)
-    long_prompt: bool = False          # more than one chunk to prefill here: drains at the step's long-prompt budget to its end
+    long_prompt: bool = False          # over a chunk to prefill here: drains at the long-prompt budget to its end
     first_token_deadline_s: float = math.inf   # monotonic; colocated prompts are ordered by it when at risk (``prefill_order``)
     first_step_ms: float | None = None
     matcher: grammar.Matcher | None = None   # the grammar's state after ``output`` (constrained requests)

@@ -172,9 +172,9 @@ def local_queue_ms(tokens: int, prompts: int, own: int, w: WorkerReport, cm: Cos
 
     ``long``: the new prompt is longer than one chunk, so the drain runs at ``step_long_prompt_tokens``
     where reported, to its last token: a refill step carries twice a chunk for the short prompts it
-    finishes but only its usual budget for the rest, and priced at the refill's rate a queue of long prompts looked to drain up
-    to twice as fast as it does. (The short prompts ahead of it drain faster than that; they are few
-    tokens beside a long prompt's.)"""
+    finishes but only its usual budget for the rest, and priced at the refill's rate a queue of long
+    prompts looked to drain up to twice as fast as it does. (The short prompts ahead of it drain
+    faster than that; they are few tokens beside a long prompt's.)"""
     if tokens <= 0:
         return 0.0
     if w.step_prompt_tokens <= 0:
