@@ -63,7 +63,7 @@ class DrainFit:
         if sxx < MIN_AHEAD_VARIANCE * n:
             return None
         slope_ms = (self._sxy - self._sx * self._sy / n) / sxx
-        return 1000.0 / (slope_ms if slope_ms > MIN_SLOPE_MS else MIN_SLOPE_MS)
+        return 1000.0 / max(slope_ms, MIN_SLOPE_MS)
 
     def _count(self, x: int, y: float, sign: int) -> None:
         self._n += sign
