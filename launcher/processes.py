@@ -24,12 +24,14 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,10 +48,23 @@ class StartTimeout(StartError, TimeoutError):
     """Not serving after the timeout (the process is still running)."""
 
 
+_HANDED_OUT: collections.deque[tuple[str, int]] = collections.deque(maxlen=4096)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never one this process handed out among its last 4096.
+
+    The port is bound by a child later, so until then the kernel may offer it again: a stack's
+    ports planned in one go (``epd serve``) would otherwise now and then give two workers one port."""
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if (host, port) not in _HANDED_OUT:
+                _HANDED_OUT.append((host, port))
+                return port
 
 
 def child_env(overlay: Mapping[str, str] | None = None, drop: Iterable[str] = (),

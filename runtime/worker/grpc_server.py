@@ -26,7 +26,7 @@ from proto.epd.v1 import epd_pb2
 from runtime.worker.discovery import WorkerRegistration
 from runtime.worker.internal_auth import TOKEN_ENV, exposure_problem, server_interceptors
 from runtime.worker.settings import WorkerSettings
-from runtime.worker.wire import GRPC_OPTIONS
+from runtime.worker.wire import SERVER_OPTIONS
 
 log = logging.getLogger("epd.worker")
 
@@ -36,7 +36,7 @@ class WorkerServer:
         self.role = role
         self.settings = settings
         self.service_name = service_name
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=server_interceptors(settings.internal_token))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(settings.internal_token))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.address = ""
         self._registration: WorkerRegistration | None = None
@@ -56,9 +56,13 @@ class WorkerServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.resolved_port(self.role)}")
+        address = f"{self.settings.host}:{self.settings.resolved_port(self.role)}"
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError:   # grpcio raises where it cannot bind (older releases returned 0)
+            port = 0
         if port == 0:
-            raise RuntimeError(f"cannot bind {self.settings.host}:{self.settings.resolved_port(self.role)}")
+            raise RuntimeError(f"cannot bind {address}: another process may be listening on it")
         await self.server.start()
         self.address = self.settings.advertised_address(self.role, port)
         await self._set_serving(True)

@@ -25,6 +25,10 @@ GRPC_OPTIONS = [
     # (gRPC's default reconnect backoff grows to 120 s while it is down)
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A worker's server owns its port: gRPC's default SO_REUSEPORT would let a second server bind a port
+# another already listens on, and the kernel would then split new connections between the two
+# (a decode worker's RPCs reaching an encoder half the time). Without it, that bind fails loudly.
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
