@@ -4,21 +4,27 @@ Queues, in order::
 
     waiting (no scratch KV blocks free yet) -> active (one chunk per step) -> sent (final chunk queued) -> done
 
-Every step packs the next chunk of up to ``max_batch`` active prompts into one
-forward, so prompts that arrive together are prefilled together. After each
-step, each prompt's finished chunk is read out of the local scratch pool and
-handed to its ``KVSender`` at once as a ``ReadyChunk`` (eager send: this scheduler
-decides what is ready, the sender frames it and moves the bytes); when the last
-chunk is done the first token is sampled and travels with it, with the prompt's
-rope delta. A job's prompt is a ``PreparedPrompt`` (spliced embeddings, M-RoPE
-positions, DeepStack rows): each chunk is its ``item(start, end, blocks)``. On a model with
-sliding-window layers (``trim_sliding``, on by default) a chunk carries those layers' KV only
-from the prompt's ``KVLayout.window_from`` on: decode never reads older positions there.
-On a windowed pool (``EPD_SLIDING_WINDOW_KV``) a job's sliding layers live in rings sized
-for its own chunk (``longest_write``), and each chunk is read out before the next overwrites it.
-Scratch blocks are
-freed as soon as the last chunk has been read out, on every path (done, cancelled,
-failed).
+Every step packs active prompts' next chunks into one forward in arrival order: the
+oldest prompt's chunk always, then each next prompt's while the step stays within
+``step_tokens`` and ``max_batch`` prompts; the first chunk that does not fit ends the step,
+so a later prompt never overtakes an earlier one. On a CPU a forward is compute-bound from a few
+dozen tokens, so packing the chunks of prompts that arrived together into every step (as this
+scheduler once did) only made each of them wait for all the others: a burst of six 427-token
+prompts on the bench model got their first tokens together, 17 s on (bench/RESULTS.md). In
+order, a prompt's wait is the work queued ahead of it, which is what the gateway prices
+(``cm.queued_prefill_ms``), and no prompt admitted later adds to it.
+
+After each step, each prompt's finished chunk is read out of the local scratch pool and
+handed to its ``KVSender`` at once as a ``ReadyChunk`` (eager send: this scheduler decides
+what is ready, the sender frames it and moves the bytes); when the last chunk is done the
+first token is sampled and travels with it, with the prompt's rope delta. A job's prompt is a
+``PreparedPrompt`` (spliced embeddings, M-RoPE positions, DeepStack rows): each chunk is its
+``item(start, end, blocks)``. On a model with sliding-window layers (``trim_sliding``, on by
+default) a chunk carries those layers' KV only from the prompt's ``KVLayout.window_from`` on:
+decode never reads older positions there. On a windowed pool (``EPD_SLIDING_WINDOW_KV``) a job's
+sliding layers live in rings sized for its own chunk (``longest_write``), and each chunk is read
+out before the next overwrites it. Scratch blocks are freed as soon as the last chunk has been
+read out, on every path (done, cancelled, failed).
 """
 
 from __future__ import annotations
@@ -75,9 +81,10 @@ class PrefillJob:
 
 
 class PrefillScheduler:
-    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, timings: TimingLog | None = None,
-                 trim_sliding: bool = True):
+    def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, step_tokens: int = 256,
+                 timings: TimingLog | None = None, trim_sliding: bool = True):
         self.adapter = adapter
+        self.step_tokens = step_tokens   # a step's prompt tokens beyond its first chunk (see _next_spans)
         self.trim_sliding = trim_sliding   # False only to measure the saving (bench/sliding_window_handoff.py)
         self.pool = pool
         self.max_batch = max_batch
@@ -123,13 +130,28 @@ class PrefillScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = self.active[: self.max_batch]
+            spans = self._next_spans()
             try:
-                await self._step(batch)
+                await self._step(spans)
             except Exception as exc:
                 log.exception("prefill step failed")
-                for job in batch:
+                for job, _, _ in spans:
                     self._finish(job, exc)
+
+    def _next_spans(self) -> list[tuple[PrefillJob, int, int]]:
+        """This step's chunks ``(job, start, end)``: the oldest active prompt's next chunk, then each
+        next prompt's in arrival order while the step holds at most ``step_tokens`` tokens and
+        ``max_batch`` prompts (the first that does not fit ends it). A chunk never splits a
+        bidirectional image span (``PreparedPrompt.chunk_end``), so a first chunk may pass the budget."""
+        spans: list[tuple[PrefillJob, int, int]] = []
+        tokens = 0
+        for job in self.active:
+            end = job.prompt.chunk_end(job.next_start, job.chunk_tokens)
+            if spans and (tokens + end - job.next_start > self.step_tokens or len(spans) == self.max_batch):
+                break
+            spans.append((job, job.next_start, end))
+            tokens += end - job.next_start
+        return spans
 
     def _admit(self) -> None:
         for job in [j for j in (*self.waiting, *self.active) if j.cancelled]:
@@ -145,9 +167,7 @@ class PrefillScheduler:
             self.waiting.remove(job)
             self.active.append(job)
 
-    async def _step(self, batch: list[PrefillJob]) -> None:
-        # the prompt's chunking rule: never inside a bidirectional image span (PreparedPrompt.chunk_end)
-        spans = [(job, job.next_start, job.prompt.chunk_end(job.next_start, job.chunk_tokens)) for job in batch]
+    async def _step(self, spans: list[tuple[PrefillJob, int, int]]) -> None:
         started, started_ns = time.perf_counter(), time.time_ns()
         chunks, first_tokens, states = await torch_thread.run(self._forward, spans)
         step_ms = (time.perf_counter() - started) * 1000
@@ -156,7 +176,7 @@ class PrefillScheduler:
             record_span("prefill.chunk", job.trace, started_ns, ended_ns, **{
                 "epd.request_id": job.request_id, "epd.chunk": job.chunk_index, "epd.tokens": end - start,
                 "epd.batch": len(spans)})
-        self.max_observed_batch = max(self.max_observed_batch, len(batch))
+        self.max_observed_batch = max(self.max_observed_batch, len(spans))
         self.timings.record("prefill", sum(e - s for _, s, e in spans), step_ms)
         for (job, start, end), kv, first, state in zip(spans, chunks, first_tokens, states):
             job.compute_ms += step_ms

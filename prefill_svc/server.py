@@ -15,7 +15,8 @@ from .servicer import PrefillServicer
 
 async def build(settings: WorkerSettings, adapter: VLMAdapter) -> PrefillServicer:
     """The scratch KV pool, the chunked-prefill scheduler (started) and the servicer."""
-    scheduler = PrefillScheduler(adapter, kv_pool_for(adapter, settings), max_batch=settings.prefill_max_batch)
+    scheduler = PrefillScheduler(adapter, kv_pool_for(adapter, settings), max_batch=settings.prefill_max_batch,
+                                 step_tokens=settings.resolved_prefill_step_tokens())
     servicer = PrefillServicer(adapter, scheduler, EmbeddingFetcher.for_settings(settings),
                                default_chunk_tokens=settings.prefill_chunk_tokens, faults=FaultInjector(settings.faults),
                                token=settings.internal_token)

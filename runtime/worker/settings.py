@@ -55,6 +55,7 @@ class WorkerSettings(BaseSettings):
     # prefill
     prefill_chunk_tokens: int = Field(default=256, ge=1, description="prompt tokens per prefill chunk (and per KV chunk)")
     prefill_max_batch: int = Field(default=8, ge=1, description="prefill: prompts packed into one forward")
+    prefill_step_tokens: int = Field(default=0, ge=0, description="prefill: prompt tokens one forward carries, its prompts' next chunks taken in arrival order (0: one chunk, `EPD_PREFILL_CHUNK_TOKENS`, on the CPU, where a forward is compute-bound from a few dozen tokens; 2048 on CUDA)")
     # decode
     kv_memory_mb: int = Field(default=256, ge=1, description="decode: KV block pool budget, MiB")
     kv_block_size: int = Field(default=16, ge=1, description="decode: tokens per KV block")
@@ -92,6 +93,12 @@ class WorkerSettings(BaseSettings):
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda requested but torch sees no CUDA device (install a CUDA build of torch)")
         return v
+
+    def resolved_prefill_step_tokens(self) -> int:
+        """``prefill_step_tokens``, its 0 resolved for this device."""
+        if self.prefill_step_tokens:
+            return self.prefill_step_tokens
+        return 2048 if self.device == "cuda" else self.prefill_chunk_tokens
 
     def resolved_port(self, role: str) -> int:
         return self.port or DEFAULT_PORTS[role]
