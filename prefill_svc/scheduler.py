@@ -107,6 +107,19 @@ class PrefillScheduler:
         job.cancelled = True
         self._wake.set()
 
+    async def first_token(self, job: PrefillJob, sending: asyncio.Future) -> int:
+        """``job``'s first token once its last chunk is computed and ``sending`` (its KV transfer) has
+        ended well. A transfer that ends first (decode gone, or the deadline reached while the prompt
+        waited its turn) cancels the job at once, so nothing queued behind it waits for a prompt whose
+        KV nobody can take, and its failure (``TransferBroken``) is raised."""
+        await asyncio.wait({job.done, sending}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done.done():
+            self.cancel(job)
+            await sending
+        token = await job.done
+        await sending
+        return token
+
     @property
     def queue_depth(self) -> int:
         return len(self.waiting) + len(self.active)

@@ -43,6 +43,11 @@ from .kv_sender import ChunkFraming, KVSender, TransferBroken
 from .scheduler import PrefillJob, PrefillScheduler
 
 
+def _outcome_read(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, adapter: VLMAdapter, scheduler: PrefillScheduler, fetcher: EmbeddingFetcher,
                  *, default_chunk_tokens: int, faults: FaultInjector, token: SecretStr | None = None):
@@ -128,11 +133,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             sender.start()
+            sending = asyncio.ensure_future(sender.wait())
             try:
-                first_token = await job.done
-                await sender.wait()
+                first_token = await self.scheduler.first_token(job, sending)
             except TransferBroken as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            finally:
+                sending.add_done_callback(_outcome_read)   # a handler cancelled meanwhile reads it no more
             # the timings travel on decode's first TokenEvent (the last chunk carries prefill_ms)
             return pb.PrefillResponse(first_token=first_token, chunks_sent=sender.chunks_sent, bytes_sent=sender.bytes_sent)
         finally:

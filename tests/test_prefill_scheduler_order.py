@@ -14,6 +14,7 @@ import pytest
 import torch
 from cluster import DEMO_MODEL
 
+from prefill_svc.kv_sender import TransferBroken
 from prefill_svc.scheduler import PrefillJob, PrefillScheduler
 from runtime.model.kv_pool import KVBlockPool
 from runtime.model.model_adapter import VLMAdapter
@@ -33,6 +34,9 @@ class RecordingSender:
 
     def finish(self) -> None:
         pass
+
+    def abort(self) -> None:
+        self.log.append((self.name, -1, -1, False))   # logged as a chunk that spans nothing
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +93,32 @@ async def test_a_prompt_longer_than_the_budget_still_moves_a_whole_chunk_a_step(
     log, steps = await _burst(adapter, [48, 8], chunk=32, step_tokens=16)
     assert steps == [["p0"], ["p0"], ["p1"]]
     assert [(p, s, e) for p, s, e, _ in log] == [("p0", 0, 32), ("p0", 32, 48), ("p1", 0, 8)]
+
+
+async def test_a_prompt_whose_transfer_ended_while_it_waited_is_dropped_without_compute(adapter):
+    """Its deadline came (or its decode worker went) while a long prompt ahead was prefilled: the
+    wait ends with the transfer's failure at once, and the prompt never takes a step."""
+    pool = KVBlockPool(adapter.kv_layout, 64, 16)
+    scheduler = PrefillScheduler(adapter, pool, max_batch=8, step_tokens=16)
+    log: list[tuple[str, int, int, bool]] = []
+    words = [t for t in range(3, 60) if t != adapter.image_token_id]
+    ahead = PrefillJob("ahead", adapter.prepare([1] + words[:47], []), SamplingParams(), 16,
+                       RecordingSender("ahead", log))
+    late = PrefillJob("late", adapter.prepare([1] + words[:20], []), SamplingParams(), 16,
+                      RecordingSender("late", log))
+    scheduler.submit(ahead)
+    scheduler.submit(late)
+    broken = asyncio.get_running_loop().create_future()
+    broken.set_exception(TransferBroken("bulk KV stream failed: TimeoutError()"))
+    scheduler.start()
+    try:
+        with pytest.raises(TransferBroken):
+            await asyncio.wait_for(scheduler.first_token(late, broken), 5)
+        await asyncio.wait_for(ahead.done, 30)
+        with pytest.raises(asyncio.CancelledError):
+            await late.done
+    finally:
+        await scheduler.stop()
+    assert [e for e in log if e[0] == "ahead"] == [("ahead", 0, 16, False), ("ahead", 16, 32, False), ("ahead", 32, 48, True)]
+    assert [e for e in log if e[0] == "late"] == [("late", -1, -1, False)]   # aborted, and never a chunk
+    assert late.next_start == 0 and pool.free_blocks == 64
