@@ -32,7 +32,7 @@ from .chat_backend import AdmissionRefused
 from .prefix_routing import PrefixView
 from .pressure import FirstTokenPressure
 from .settings import GatewaySettings
-from .worker_registry import ROLES, WorkerRegistry
+from .worker_registry import ROLES, WorkerHandle, WorkerRegistry
 
 # CPU-scale priors; replaced by online calibration from worker timings within a few requests.
 CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_step_base_ms=5.0,
@@ -42,7 +42,7 @@ CPU_PRIOR = ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.05, decode_
 
 
 def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int, *, cached_prefix_tokens: int = 0,
-                  cached_images: int = 0) -> WorkerReport:
+                  cached_images: int = 0, placed_prompts: tuple[int, ...] = ()) -> WorkerReport:
     """One worker's ``WorkerStats`` (and this gateway's requests on it) as the policy reads it; a decode
     worker's ``cached_prefix_tokens`` / ``cached_images`` of this request come from its prefix summary."""
     decode = role == Role.DECODE
@@ -55,6 +55,7 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
         total_blocks=stats.total_blocks, block_size=max(1, stats.block_size),
         ring_groups=stats.ring_groups if decode else 0, ring_blocks=stats.ring_blocks if decode else 0,
         max_batch=stats.max_batch_configured if decode else 0, in_flight=max(0, in_flight),
+        placed_prompts=placed_prompts,
         cached_prefix_tokens=cached_prefix_tokens if decode else 0, cached_images=cached_images if decode else 0,
         host_id=stats.host_id, cpus=tuple(stats.cpus), cpus_busy=stats.cpus_busy,
     )
@@ -63,13 +64,16 @@ def worker_report(role: str, address: str, stats: pb.WorkerStats, in_flight: int
 class Ticket:
     """An admitted request, from admission to its first token or its end."""
 
-    __slots__ = ("_owner", "_admitted_at", "_model_ms", "_kv_bytes", "_ahead", "_open")
+    __slots__ = ("_owner", "_admitted_at", "_model_ms", "_kv_bytes", "_ahead", "_open", "_placed_on", "_request_id")
 
-    def __init__(self, owner: GatewayAdmission, model_ms: float | None, kv_bytes: float, ahead: int) -> None:
+    def __init__(self, owner: GatewayAdmission, model_ms: float | None, kv_bytes: float, ahead: int,
+                 placed_on: WorkerHandle | None = None, request_id: str = "") -> None:
         """``model_ms``: the TTFT predicted at admission; None when the prediction could not price
         the queue (``Pressure.backlog_priced``), so the first token teaches no overrun. ``ahead``:
-        the requests admitted and still waiting for a first token when this one was."""
+        the requests admitted and still waiting for a first token when this one was. ``placed_on``:
+        the worker whose ``placed_prompts`` hold this request's prompt until it leaves."""
         self._owner, self._model_ms, self._kv_bytes, self._ahead = owner, model_ms, kv_bytes, ahead
+        self._placed_on, self._request_id = placed_on, request_id
         self._admitted_at = time.monotonic()
         self._open = True
 
@@ -78,6 +82,8 @@ class Ticket:
         if not self._open:
             return
         self._open = False
+        if self._placed_on is not None:
+            self._placed_on.placed_prompts.pop(self._request_id, None)
         owner = self._owner
         if self._kv_bytes:
             owner.kv_transfers -= 1
@@ -117,7 +123,8 @@ class GatewayAdmission:
                     continue
                 cached = prefix.cached_tokens(h.address) if prefix is not None and role == "decode" else 0
                 workers.append(worker_report(role, h.address, h.stats, h.inflight, cached_prefix_tokens=cached,
-                                             cached_images=prefix.images_within(cached) if cached else 0))
+                                             cached_images=prefix.images_within(cached) if cached else 0,
+                                             placed_prompts=tuple(h.placed_prompts.values())))
         return StatsSnapshot(tuple(workers), self.kv_transfers, self.kv_bytes)
 
     def loads(self, shape: RequestShape, registry: WorkerRegistry, *, own_transfer: bool = False,
@@ -152,9 +159,10 @@ class GatewayAdmission:
         return AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s,
                                 terms)
 
-    def admitted(self, admission: Admission, shape: RequestShape, arrival_s: float,
-                 breakdown: dict[str, float]) -> Ticket:
-        """Count an admitted request in: metrics, its breakdown's estimates, the pressure, the link."""
+    def admitted(self, admission: Admission, shape: RequestShape, arrival_s: float, breakdown: dict[str, float],
+                 placed_on: WorkerHandle | None = None, request_id: str = "", prompt_tokens: int = 0) -> Ticket:
+        """Count an admitted request in: metrics, its breakdown's estimates, the pressure, the link, and
+        (``placed_on``: the worker that prefills it) its ``prompt_tokens`` there until its first token."""
         decision = admission.decision
         if decision is None:
             raise ValueError("only an admitted request gets a ticket")
@@ -172,4 +180,7 @@ class GatewayAdmission:
         ahead = self.pressure.waiting
         self.pressure.admitted(intake_ms=(time.monotonic() - arrival_s) * 1000)
         # the overrun is learnt against the model's own prediction, without itself: a stationary target
-        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes, ahead)
+        if placed_on is not None:
+            placed_on.placed_prompts[request_id] = prompt_tokens
+        return Ticket(self, decision.estimates["ttft_ms"] + admission.backlog_ms if priced else None, kv_bytes, ahead,
+                      placed_on, request_id)

@@ -136,15 +136,19 @@ class Orchestrator:
             raise self.admission.refusal(admission, remaining_ms)
         decision = admission.decision
         job.placement, job.placement_reason = decision.placement, decision.reason
+        colocated = decision.placement == "colocated"
+        # colocated on a worker that holds a prefix: it prefills the rest, and the images wholly inside it are not encoded
+        expected = prefix.cached_tokens(decision.decode_worker) if colocated else 0
+        # the worker that prefills it counts the prompt until its first token (its own report lags a burst)
+        prefills_on = self.registry.workers["decode" if colocated else "prefill"].get(
+            decision.decode_worker if colocated else decision.prefill_worker or "")
         with span("gateway.placement", **rid, **{"epd.placement": decision.placement,
                                                  "epd.placement_reason": decision.reason}):
-            ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown)
+            ticket = self.admission.admitted(admission, shape, job.arrival_s, breakdown, prefills_on, job.request_id,
+                                             len(job.token_ids) - expected)
         annotate(**{"epd.placement": decision.placement, "epd.placement_reason": decision.reason})
         first = True
         try:
-            colocated = decision.placement == "colocated"
-            # colocated on a worker that holds a prefix: the images wholly inside it are not encoded
-            expected = prefix.cached_tokens(decision.decode_worker) if colocated else 0
             skipped = frozenset(range(len(images.refs))) - set(prefix.images_needed(expected)) if expected else frozenset()
 
             # all new, and cheap enough: the decode worker encodes them itself from the bytes

@@ -391,3 +391,42 @@ def test_a_prompt_longer_than_a_chunk_is_priced_at_the_long_prompt_rate() -> Non
     assert worker_report("prefill", "p", stats, 0).step_long_prompt_tokens == 0
     with pytest.raises(ValueError):
         WorkerReport(Role.DECODE, "d", step_long_prompt_tokens=-1)
+
+
+def test_a_burst_placed_within_one_poll_is_priced_behind_the_prompts_placed_before_it() -> None:
+    """Workers report their queue once a poll; a burst of long prompts admitted between two polls
+    each saw the same report, so all were priced as if alone (bench-long: ~2 s estimated, 10-17 s
+    served). The gateway's own prompts placed there and still without a first token are the queue
+    where they add up to more than the report; a fresher report that holds more wins."""
+    cm = CostModel(prior=CPU_PRIOR)
+    shape = RequestShape(427, 32)
+    stale = WorkerReport(Role.PREFILL, "p", placed_prompts=(427, 427))
+    assert stage_loads(StatsSnapshot((stale,)), shape, cm).prefill[0].queue_wait_ms == \
+        pytest.approx(cm.queued_prefill_ms(854, 2))
+    fresh = WorkerReport(Role.PREFILL, "p", queue_depth=3, queued_prefill_tokens=1281, placed_prompts=(427,))
+    assert stage_loads(StatsSnapshot((fresh,)), shape, cm).prefill[0].queue_wait_ms == \
+        pytest.approx(cm.queued_prefill_ms(1281, 3))
+    # a decode worker: its colocated prompts placed since its report, least remaining first
+    srpt = WorkerReport(Role.DECODE, "d", queued_prompts=(26,), queued_prefill_tokens=26, queue_depth=1,
+                        placed_prompts=(26, 427, 427))
+    assert decode_load(srpt, shape, cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(880, 3))
+    assert decode_load(srpt, RequestShape(26, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(26, 1))
+    fifo = WorkerReport(Role.DECODE, "d", placed_prompts=(427, 427))
+    assert decode_load(fifo, RequestShape(26, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(854, 2))
+    with pytest.raises(ValueError):
+        WorkerReport(Role.DECODE, "d", placed_prompts=(-1,))
+
+
+def test_a_prompt_counts_on_the_worker_that_prefills_it_until_its_first_token() -> None:
+    admission = GatewayAdmission(SETTINGS)
+    reg = registry(RECORDED["snapshots"]["idle"])
+    handle = next(iter(reg.workers["prefill"].values()))
+    shape = RequestShape(427, 32)
+    decision = admission.admit(shape, reg, 20_000.0, 2_000.0)
+    assert decision.ok
+    ticket = admission.admitted(decision, shape, 0.0, {}, handle, "r1", 427)
+    assert handle.placed_prompts == {"r1": 427}
+    assert [w.placed_prompts for w in admission.snapshot(reg).workers if w.address == handle.address] == [(427,)]
+    ticket.left(got_first_token=True)
+    ticket.left(got_first_token=False)
+    assert handle.placed_prompts == {}

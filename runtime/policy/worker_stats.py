@@ -15,6 +15,9 @@ decision. Every estimate made here uses only these fields and the cost model:
   many tokens, so the wait is that drain less the new prompt's own prefill (``local_queue_ms``); a
   prompt longer than one chunk (``local_chunk_tokens``, the chunk the caller asks for) drains at
   ``step_long_prompt_tokens`` where reported (a refill step widens only the short prompts it finishes);
+  a worker's report lags a burst, so where the caller's own prompts placed there and still without
+  a first token (``placed_prompts``) add up to more than the reported queue, they are the queue:
+  a burst of long prompts admitted within one poll otherwise each saw that poll's queue, as if alone;
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -80,6 +83,7 @@ class WorkerReport:
     ring_blocks: int = 0
     max_batch: int = 0  # decode: the configured batch size (0: not reported)
     in_flight: int = 0  # the caller's requests on this worker, placed and not yet retired
+    placed_prompts: tuple[int, ...] = ()  # the caller's prompts placed to prefill there, no first token yet
     cached_prefix_tokens: int = 0  # decode: of this request's prompt, held there as cached KV
     cached_images: int = 0  # decode: this request's images wholly inside that cached prefix
     host_id: str = ""  # the machine (its boot id); "" = unknown
@@ -89,11 +93,12 @@ class WorkerReport:
     def __post_init__(self) -> None:
         self.role = Role(self.role)
         self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
+        self.placed_prompts = tuple(self.placed_prompts)
         self.cpus = tuple(self.cpus)
         if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.step_prompt_tokens,
                self.step_long_prompt_tokens,
                self.max_batch, self.in_flight,
-               self.cached_prefix_tokens, self.cached_images, *self.queued_prompts) < 0:
+               self.cached_prefix_tokens, self.cached_images, *self.queued_prompts, *self.placed_prompts) < 0:
             raise ValueError(f"negative count in the report of {self.address}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 in the report of {self.address}")
@@ -138,8 +143,12 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel,
             shared = tuple((d.address, max(0.0, w.cpus_busy, d.cpus_busy)) for d in snapshot.workers
                            if d.role is Role.DECODE and shares_cores(w, d))
             apart = tuple(d.address for d in snapshot.workers if d.role is Role.DECODE and computes_apart(w, d))
-            prefill.append(PrefillWorkerLoad(w.address, cm.queued_prefill_ms(w.queued_prefill_tokens, pending), shared,
-                                             apart))
+            placed = sum(w.placed_prompts)
+            if placed > w.queued_prefill_tokens:
+                queue_ms = cm.queued_prefill_ms(placed, max(pending, len(w.placed_prompts)))
+            else:
+                queue_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, pending)
+            prefill.append(PrefillWorkerLoad(w.address, queue_ms, shared, apart))
         elif encoder_queue is None or pending < encoder_queue:
             encoder_queue = pending
     encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
@@ -196,9 +205,14 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel,
     cached = max(0, min(w.cached_prefix_tokens, shape.prompt_tokens - 1))
     own = shape.prompt_tokens - cached
     long = local_chunk_tokens is not None and own > local_chunk_tokens
+    placed = sum(w.placed_prompts)
     if w.queued_prompts:   # least remaining first: only the prompts no longer than this one are ahead
-        ahead = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
+        reported = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
+        mine = [t for t in w.placed_prompts if t <= shape.prompt_tokens]
+        ahead = mine if sum(mine) > sum(reported) else reported
         local_ms = local_queue_ms(sum(ahead), len(ahead), own, w, cm, long)
+    elif placed > w.queued_prefill_tokens:
+        local_ms = local_queue_ms(placed, len(w.placed_prompts), own, w, cm, long)
     else:
         local_ms = local_queue_ms(w.queued_prefill_tokens, w.queue_depth, own, w, cm, long)
     slot_wait = 0.0
