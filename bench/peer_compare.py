@@ -23,6 +23,7 @@ epd / vLLM of each. The issue's targets are judged on the WORSE of the rounds' r
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -172,13 +173,18 @@ def table_rows(vllm: Mapping[str, Any], epd: Mapping[str, Any]) -> list[list[str
 
 
 def judge_targets(load: Load, per_round: Mapping[str, list[Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """Each target on the worse of the rounds' epd/vLLM ratios (round r of one against round r of the other)."""
+    """Each target on the worse of the rounds' epd/vLLM ratios (round r of one against round r of the other).
+    A floor (``min``) on a round where vLLM scored 0 and epd more (goodput: vLLM met no SLO) is met
+    there, its ratio ``"inf"`` (JSON has no infinity); a round where neither scored has no ratio."""
     out = []
     for key, kind, bound in load.targets:
-        ratios = [ratio(e.get(key), v.get(key)) for e, v in zip(per_round["epd"], per_round["vllm"])]
+        ratios = [math.inf if kind == "min" and v.get(key) == 0 and (e.get(key) or 0) > 0 else ratio(e.get(key), v.get(key))
+                  for e, v in zip(per_round["epd"], per_round["vllm"])]
         known = [r for r in ratios if r is not None]
         worst = (min(known) if kind == "min" else max(known)) if known else None
         met = worst is not None and (worst >= bound if kind == "min" else worst <= bound)
+        ratios = ["inf" if r == math.inf else r for r in ratios]
+        worst = "inf" if worst == math.inf else worst
         out.append({"metric": key, "rounds": ratios, "worst": worst,
                     "target": f"{'>=' if kind == 'min' else '<='} {bound}", "met": met})
     return out

@@ -8,6 +8,9 @@ bench/RESULTS.md, never in tests.
 
 from __future__ import annotations
 
+import json
+import math
+
 from pathlib import Path
 
 import pytest
@@ -351,6 +354,18 @@ def test_peer_targets_take_the_worse_round() -> None:
     assert itl["worst"] == pytest.approx(1.2) and not itl["met"]
     rounds["epd"][1] = {"req_per_s": 2.2, "itl_ms_p99": 95.0}
     assert all(t["met"] for t in judge_targets(load, rounds))
+    # goodput where vLLM met no SLO in a round: epd's is infinitely more there, not unknown
+    long = LOADS["bench-long"]
+    rounds = {"vllm": [{"goodput_req_per_s": 0.0}, {"goodput_req_per_s": 0.5}],
+              "epd": [{"goodput_req_per_s": 0.9}, {"goodput_req_per_s": 0.9}]}
+    goodput = next(t for t in judge_targets(long, rounds) if t["metric"] == "goodput_req_per_s")
+    assert goodput["rounds"] == ["inf", pytest.approx(1.8)] and goodput["worst"] == pytest.approx(1.8) and goodput["met"]
+    rounds["vllm"][1]["goodput_req_per_s"] = 0.0
+    goodput = next(t for t in judge_targets(long, rounds) if t["metric"] == "goodput_req_per_s")
+    assert goodput["worst"] == "inf" and goodput["met"] and json.dumps(goodput)
+    rounds["epd"][0]["goodput_req_per_s"] = 0.0
+    goodput = next(t for t in judge_targets(long, rounds) if t["metric"] == "goodput_req_per_s")
+    assert goodput["rounds"][0] is None and goodput["met"]
 
 
 def test_peer_table_shows_answers_without_text() -> None:

@@ -406,13 +406,17 @@ def test_a_burst_placed_within_one_poll_is_priced_behind_the_prompts_placed_befo
     fresh = WorkerReport(Role.PREFILL, "p", queue_depth=3, queued_prefill_tokens=1281, placed_prompts=(427,))
     assert stage_loads(StatsSnapshot((fresh,)), shape, cm).prefill[0].queue_wait_ms == \
         pytest.approx(cm.queued_prefill_ms(1281, 3))
-    # a decode worker: its colocated prompts placed since its report, least remaining first
+    # a decode worker: its long colocated prompts placed since its report, least remaining first; the
+    # short ones are no queue (a refill step carries a burst of them together)
     srpt = WorkerReport(Role.DECODE, "d", queued_prompts=(26,), queued_prefill_tokens=26, queue_depth=1,
                         placed_prompts=(26, 427, 427))
-    assert decode_load(srpt, shape, cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(880, 3))
-    assert decode_load(srpt, RequestShape(26, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(26, 1))
+    assert decode_load(srpt, shape, cm, 256).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(854, 2))
+    assert decode_load(srpt, RequestShape(26, 32), cm, 256).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(26, 1))
     fifo = WorkerReport(Role.DECODE, "d", placed_prompts=(427, 427))
-    assert decode_load(fifo, RequestShape(26, 32), cm).queue_wait_ms == pytest.approx(cm.queued_prefill_ms(854, 2))
+    assert decode_load(fifo, RequestShape(26, 32), cm, 256).queue_wait_ms == \
+        pytest.approx(cm.queued_prefill_ms(854, 2))
+    wave = WorkerReport(Role.DECODE, "d", placed_prompts=(26,) * 15)
+    assert decode_load(wave, RequestShape(26, 32), cm, 256).queue_wait_ms == 0.0
     with pytest.raises(ValueError):
         WorkerReport(Role.DECODE, "d", placed_prompts=(-1,))
 

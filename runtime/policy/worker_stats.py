@@ -17,7 +17,9 @@ decision. Every estimate made here uses only these fields and the cost model:
   ``step_long_prompt_tokens`` where reported (a refill step widens only the short prompts it finishes);
   a worker's report lags a burst, so where the caller's own prompts placed there and still without
   a first token (``placed_prompts``) add up to more than the reported queue, they are the queue:
-  a burst of long prompts admitted within one poll otherwise each saw that poll's queue, as if alone;
+  a burst of long prompts admitted within one poll otherwise each saw that poll's queue, as if alone
+  (on a decode worker only prompts longer than a chunk count: a refill step carries a burst of short
+  ones together, and counted as a queue a closed loop's wave of 16 chats was refused);
 - decode slots: ``max_batch`` (the worker's configured batch; the cost model's slot count
   when not reported) less what is claimed, ``max(running + queued, in_flight)``: the
   worker's own count, or the caller's where that is fresher (placed since the last poll);
@@ -205,14 +207,16 @@ def decode_load(w: WorkerReport, shape: RequestShape, cm: CostModel,
     cached = max(0, min(w.cached_prefix_tokens, shape.prompt_tokens - 1))
     own = shape.prompt_tokens - cached
     long = local_chunk_tokens is not None and own > local_chunk_tokens
-    placed = sum(w.placed_prompts)
+    # the caller's long prompts placed there since the report; short ones are not a queue: a refill step
+    # carries a burst of them together, which ``step_prompt_tokens`` already prices
+    placed = [t for t in w.placed_prompts if local_chunk_tokens is not None and t > local_chunk_tokens]
     if w.queued_prompts:   # least remaining first: only the prompts no longer than this one are ahead
         reported = [t for t in w.queued_prompts if t <= shape.prompt_tokens]
-        mine = [t for t in w.placed_prompts if t <= shape.prompt_tokens]
+        mine = [t for t in placed if t <= shape.prompt_tokens]
         ahead = mine if sum(mine) > sum(reported) else reported
         local_ms = local_queue_ms(sum(ahead), len(ahead), own, w, cm, long)
-    elif placed > w.queued_prefill_tokens:
-        local_ms = local_queue_ms(placed, len(w.placed_prompts), own, w, cm, long)
+    elif sum(placed) > w.queued_prefill_tokens:
+        local_ms = local_queue_ms(sum(placed), len(placed), own, w, cm, long)
     else:
         local_ms = local_queue_ms(w.queued_prefill_tokens, w.queue_depth, own, w, cm, long)
     slot_wait = 0.0
