@@ -84,7 +84,7 @@ class PrefillScheduler:
     def __init__(self, adapter: VLMAdapter, pool: KVBlockPool, *, max_batch: int = 8, step_tokens: int = 256,
                  timings: TimingLog | None = None, trim_sliding: bool = True):
         self.adapter = adapter
-        self.step_tokens = step_tokens   # a step's prompt tokens beyond its first chunk (see _next_spans)
+        self.step_tokens = step_tokens   # a step's prompt tokens at most (its first chunk goes whatever its size)
         self.trim_sliding = trim_sliding   # False only to measure the saving (bench/sliding_window_handoff.py)
         self.pool = pool
         self.max_batch = max_batch
