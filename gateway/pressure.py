@@ -16,7 +16,9 @@ It also keeps the estimate honest: for each first token, the *overrun* is the
 TTFT the request really had (from admission) minus what the model predicted for
 it (stage estimate + backlog, without the overrun term itself, so the target
 does not chase its own correction). ``overrun_ms`` is a high quantile of the
-recent overruns (0 when they are negative or too few; the quantile is about the
+recent overruns learnt behind a queue no deeper than the one a request arriving
+now joins (``runtime.policy.depth_quantile``: a wave's requests teach one event
+many times; 0 when they are negative or too few; the quantile is about the
 share of admitted requests meant to make their deadline), and admission adds it
 too: when the pipeline has been slower than the cost model says (stages that
 share cores, a busy host), new requests are judged by how slow it really was,
@@ -54,10 +56,10 @@ import time
 from collections import deque
 
 from runtime.policy.busy_time import BusyClock
+from runtime.policy.depth_quantile import DepthQuantile
 from runtime.policy.drain_fit import DrainFit
 from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
-
-from .window_quantile import WindowQuantile
+from runtime.policy.window_quantile import WindowQuantile
 
 
 class FirstTokenPressure:
@@ -74,9 +76,9 @@ class FirstTokenPressure:
         self._busy = BusyClock(window_s)       # when ``waiting`` was above 0 (the rate's denominator)
         self._firsts: deque[float] = deque()   # times of recent first tokens (the rate's count)
         self._drain = DrainFit(window_s, min_samples)  # TTFT against requests ahead at admission
-        # ms late against the prediction: first tokens with a priced prediction, and requests that
-        # ended tokenless (how long past it they still waited)
-        self._overruns = WindowQuantile()
+        # ms late against the prediction, by the queue each was learnt behind: first tokens with a
+        # priced prediction, and requests that ended tokenless (how long past it they still waited)
+        self._overruns = DepthQuantile()
         self._intakes = WindowQuantile()       # intake ms of recent admissions
 
     def admitted(self, intake_ms: float = 0.0) -> None:
@@ -93,8 +95,9 @@ class FirstTokenPressure:
         counts for the rate only), or when it ends without one (with how long past the estimate
         it was still waiting: a lower bound of its overrun, learnt when positive, so requests
         cut at their deadline are not left out of the margin that should have refused them).
-        ``ahead``: how many waited when it was admitted (``waiting`` just before ``admitted``),
-        with its ``ttft_ms`` from admission, for the drain fit."""
+        ``ahead``: how many waited when it was admitted (``waiting`` just before ``admitted``):
+        the queue its overrun applies behind (``runtime.policy.depth_quantile``; None: any) and,
+        with its ``ttft_ms`` from admission, a point of the drain fit."""
         self.waiting -= 1
         now = time.monotonic()
         self._busy.waiting_changed(now, self.waiting)
@@ -103,12 +106,12 @@ class FirstTokenPressure:
             if ahead is not None:
                 self._drain.add(now, ahead, ttft_ms)
             if overrun_ms is not None:
-                self._overruns.add(now, overrun_ms)
+                self._overruns.add(now, overrun_ms, ahead)
             rate = self.rate_per_s()
             if rate is not None and (self._peak is None or rate >= self._peak[1] or now - self._peak[0] > self.memory_s):
                 self._peak = (now, rate)
         elif overrun_ms is not None and overrun_ms > 0:
-            self._overruns.add(now, overrun_ms)
+            self._overruns.add(now, overrun_ms, ahead)
 
     def _recent(self) -> deque[float]:
         """The window's first-token times (older ones dropped)."""
@@ -132,11 +135,13 @@ class FirstTokenPressure:
             return None
         return self._peak[1]
 
-    def overrun_ms(self) -> float:
+    def overrun_ms(self, behind: int | None = None) -> float:
         """How much later than estimated recent first tokens came, or unserved requests were still
-        waiting (the quantile; 0 below ``min_samples``); >= 0."""
+        waiting, behind a queue no deeper than ``behind`` (default: the one a request arriving now
+        joins, ``waiting``) (the quantile; 0 below ``min_samples`` of them); >= 0."""
         self._overruns.expire(time.monotonic() - self.window_s)
-        return max(0.0, self._overruns.quantile(self.overrun_quantile, self.min_samples) or 0.0)
+        depth = self.waiting if behind is None else behind
+        return max(0.0, self._overruns.quantile(self.overrun_quantile, self.min_samples, depth) or 0.0)
 
     def intake_ms(self) -> float:
         """Median time from arrival to admission over the window; 0 when too few."""

@@ -8,9 +8,11 @@ of the last ``window_ms`` over the time in it that something waited
 (``runtime.policy.busy_time``; none trusted below ``min_samples``, as in the gateway); the
 overrun is a quantile of the lateness, never negative, of the first tokens whose prediction
 priced the queue (``Pressure.backlog_priced``; the others count for the rate only) and of the
-failures still waiting past their prediction, as in the gateway. As in the gateway, the rate
-is the higher of that and the rate the window's queues drained at (``runtime.policy.drain_fit``:
-a burst's first tokens batch, so it drains faster than the window's rate). The gateway also
+failures still waiting past their prediction, learnt behind a queue no deeper than the one a
+request arriving now joins (``runtime.policy.depth_quantile``), as in the gateway. As in the
+gateway, the rate is the higher of that and the rate the window's queues drained at
+(``runtime.policy.drain_fit``: a burst's first tokens batch, so it drains faster than the
+window's rate). The gateway also
 remembers its peak rate, for closed-loop clients after an idle spell; simulated arrivals are
 open loop, so the window's rates are the ones that hold here.
 """
@@ -20,19 +22,20 @@ from __future__ import annotations
 from collections import deque
 
 from runtime.policy.busy_time import BusyClock
+from runtime.policy.depth_quantile import DepthQuantile
 from runtime.policy.drain_fit import DrainFit
 from runtime.policy.loads import MIN_RATE_SPAN_S, Pressure
 
 
 class SimPressure:
-    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts", "_busy", "_unserved", "_drain")
+    __slots__ = ("window_ms", "min_samples", "quantile", "waiting", "_firsts", "_busy", "_late", "_drain")
 
     def __init__(self, window_ms: float = 5000.0, min_samples: int = 8, quantile: float = 0.95) -> None:
         self.window_ms, self.min_samples, self.quantile = window_ms, min_samples, quantile
         self.waiting = 0  # admitted, no first token yet
         self._busy = BusyClock(window_ms)  # when ``waiting`` was above 0 (the rate's denominator), ms
-        self._firsts: deque[tuple[float, float | None]] = deque()  # (time, lateness ms or None), oldest first
-        self._unserved: deque[tuple[float, float]] = deque()  # (time, ms past the prediction) of failures
+        self._firsts: deque[float] = deque()  # times of first tokens, oldest first (the rate's count)
+        self._late = DepthQuantile()  # ms late: priced first tokens, and failures past their prediction
         self._drain = DrainFit(window_ms, min_samples)  # TTFT against requests ahead at admission
 
     def admitted(self, now: float) -> None:
@@ -44,17 +47,19 @@ class SimPressure:
         self.waiting -= 1
         self._busy.waiting_changed(now, self.waiting)
         if got_first_token:
-            self._firsts.append((now, overrun_ms))
+            self._firsts.append(now)
             if ahead is not None:
                 self._drain.add(now, ahead, ttft_ms)
+            if overrun_ms is not None:
+                self._late.add(now, overrun_ms, ahead)
         elif overrun_ms is not None and overrun_ms > 0:   # still waiting this long past the prediction
-            self._unserved.append((now, overrun_ms))
+            self._late.add(now, overrun_ms, ahead)
 
     def inputs(self, now: float) -> Pressure:
-        firsts, unserved = self._firsts, self._unserved
-        for samples in (firsts, unserved):
-            while samples and samples[0][0] < now - self.window_ms:
-                samples.popleft()
+        firsts = self._firsts
+        while firsts and firsts[0] < now - self.window_ms:
+            firsts.popleft()
+        self._late.expire(now - self.window_ms)
         rate = None
         if len(firsts) >= self.min_samples:
             busy = self._busy.busy_since(now, now - self.window_ms)
@@ -62,8 +67,5 @@ class SimPressure:
         drain = self._drain.rate_per_s(now)
         if drain is not None:
             rate = max(rate or 0.0, drain)
-        lateness = sorted([v for _, v in firsts if v is not None] + [v for _, v in unserved])
-        late = 0.0
-        if len(lateness) >= self.min_samples:
-            late = max(0.0, lateness[min(len(lateness) - 1, int(self.quantile * len(lateness)))])
-        return Pressure(self.waiting, rate, late)
+        late = self._late.quantile(self.quantile, self.min_samples, self.waiting) or 0.0
+        return Pressure(self.waiting, rate, max(0.0, late))

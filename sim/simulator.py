@@ -329,7 +329,7 @@ class Simulator:
         self._off_the_link(req)
         if self.pressure is not None:
             late = None if req.model_ms is None else now - req.t_admit - req.model_ms
-            self.pressure.left(now, got_first_token=False, overrun_ms=late)
+            self.pressure.left(now, got_first_token=False, overrun_ms=late, ahead=req.ahead)
         self.m.failed += 1
         self._retire(now)
 

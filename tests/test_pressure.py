@@ -233,11 +233,11 @@ def test_no_samples_reads_zero():
 
 
 def test_the_window_quantile_is_the_sorted_windows_at_every_read():
-    """The incremental structure the tracker reads (``gateway/window_quantile.py``) against sorting the
+    """The incremental structure the tracker reads (``runtime/policy/window_quantile.py``) against sorting the
     window's values at each read, over random samples, duplicates and expiries included."""
     import random
 
-    from gateway.window_quantile import WindowQuantile
+    from runtime.policy.window_quantile import WindowQuantile
 
     rng, w, kept = random.Random(7), WindowQuantile(), []
     for t in range(2000):
@@ -352,3 +352,56 @@ def test_a_wave_served_in_one_step_is_not_priced_as_a_queue(monkeypatch):
     assert p.drain_rate_per_s() == pytest.approx(1000.0)
     assert p.wait_ms() == pytest.approx(15.0)   # not 15 at the window's rate (under 25/s): 600 ms and more
     assert p.rate_per_s() < 25.0
+
+
+def test_a_wave_cut_at_its_deadline_refuses_the_next_only_behind_as_deep_a_queue(monkeypatch):
+    """Bench-short on a slow host: a closed-loop wave of 16 served together crossed its 2 s deadline
+    together, 16 requests were cut at once, and each taught the margin its ~700 ms past the
+    prediction. Read as one pool for every new request, that margin refused the next wave's second
+    request onwards, and the gateway let in one request at a time until the window forgot (47 of 48
+    refused). A wave's lateness is evidence behind as deep a queue: the next wave is admitted up to
+    the depth where enough of those overruns apply (8 learnt behind 0-7), and refused behind it.
+    The simulator's tracker judges the same way."""
+    from runtime.policy.cost_model import CostModel
+    from runtime.policy.loads import DecodeWorkerLoad, PrefillWorkerLoad, RequestShape, StageLoads
+    from runtime.policy.placement_policy import admit
+    from sim.pressure import SimPressure
+
+    clock = [100.0]
+    monkeypatch.setattr("gateway.pressure.time.monotonic", lambda: clock[0])
+    p, sim = FirstTokenPressure(window_s=5.0, min_samples=8), SimPressure(window_ms=5000.0, min_samples=8)
+    for _ in range(16):
+        p.admitted()
+        sim.admitted(clock[0] * 1000.0)
+    clock[0] += 2.0
+    for ahead in range(16):                   # all cut at the deadline, 700 ms past the prediction
+        p.left(got_first_token=False, overrun_ms=700.0, ahead=ahead)
+        sim.left(clock[0] * 1000.0, got_first_token=False, overrun_ms=700.0, ahead=ahead)
+    state = StageLoads(decode=(DecodeWorkerLoad("d0", running_seqs=0),), prefill=(PrefillWorkerLoad("p0"),))
+    admitted = []
+    for _ in range(16):                       # the next wave, into the emptied pipeline
+        margin = sim.inputs(clock[0] * 1000.0).margin_ms()
+        assert p.inputs().margin_ms() == margin
+        if admit(RequestShape(26, 32), state, CostModel(), "conditional", 500.0, 500.0, pressure=p.inputs()).ok:
+            admitted.append(p.waiting)
+            p.admitted()
+            sim.admitted(clock[0] * 1000.0)
+    assert admitted == [0, 1, 2, 3]           # behind 4-7 the wave's eight overruns apply: refused there
+    assert p.overrun_ms(behind=3) == 0.0 and p.overrun_ms(behind=4) == 700.0 and p.overrun_ms(behind=15) == 700.0
+
+
+def test_an_overrun_applies_behind_queues_at_least_as_deep_as_the_one_it_was_learnt_behind():
+    from runtime.policy.depth_quantile import DepthQuantile, depth_bucket
+
+    assert [depth_bucket(a) for a in (0, 1, 2, 3, 4, 7, 8, 15, 16, 63, 64, 10_000)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 6, 7, 7]
+    q = DepthQuantile()
+    for _ in range(4):
+        q.add(0.0, 900.0, ahead=12)           # behind a deep queue
+        q.add(0.0, 10.0, ahead=0)             # behind none
+        q.add(0.0, 50.0, ahead=None)          # unknown: applies behind any queue
+    assert len(q) == 12
+    assert q.quantile(1.0, 8, waiting=0) == 50.0 and q.quantile(1.0, 8, waiting=7) == 50.0
+    assert q.quantile(1.0, 12, waiting=8) == 900.0 and q.quantile(0.5, 12, waiting=15) == 50.0
+    assert q.quantile(1.0, 9, waiting=5) is None             # 8 apply behind 5: below min_samples
+    q.expire(1.0)
+    assert len(q) == 0 and q.quantile(0.5, 1, waiting=64) is None

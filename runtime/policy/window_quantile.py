@@ -1,7 +1,8 @@
 """Recent samples and a quantile of them, without sorting the window on every read.
 
-The pressure tracker (``gateway/pressure.py``) reads a high quantile of recent overruns and the
-median intake on every request, twice (the pre-body shed and admission); sorting a 5-second
+The pressure trackers (``gateway/pressure.py``; the simulator's ``sim/pressure.py``) read a high
+quantile of recent overruns (through ``depth_quantile``) and the gateway the median intake on
+every request, twice (the pre-body shed and admission); sorting a 5-second
 window of a few hundred samples each time was ~7% of the gateway event loop's time at 120
 requests/s on the demo model. Here the values are also kept sorted as they arrive and leave
 (``bisect``), so a read is one index.
