@@ -93,6 +93,16 @@ class Ticket:
         # without a first token, ``overrun`` is how long past the prediction it still waited (a lower bound)
         owner.pressure.left(got_first_token=got_first_token, overrun_ms=overrun, ahead=self._ahead, ttft_ms=took_ms)
 
+    def moved(self, to: WorkerHandle) -> None:
+        """A recovery gave the prompt to ``to``, the worker that prefills it now: it counts there, and no
+        longer where it was placed, until it leaves (no-op once it left, or if it counted nowhere)."""
+        if not self._open or self._placed_on is None or to is self._placed_on:
+            return
+        tokens = self._placed_on.placed_prompts.pop(self._request_id, None)
+        self._placed_on = to
+        if tokens is not None:
+            to.placed_prompts[self._request_id] = tokens
+
 
 class GatewayAdmission:
     def __init__(self, settings: GatewaySettings) -> None:

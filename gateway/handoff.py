@@ -34,7 +34,9 @@ RECOVERING  probe the attempt's workers, mark the gone ones, ask the failure pol
             out its ``RecoveryPlan`` (``gateway/recovery.py``): RETRY / REPREFILL re-arm the
             held reservation, then close the old stream; OTHER_DECODE releases it and reserves
             on the new worker; FAIL releases it and raises (503, or 504 past the deadline).
-            Bounded: the policy fails the request after a few attempts.
+            Bounded: the policy fails the request after a few attempts. A plan (or a Reserve
+            moved off a dead decode worker) tells ``on_move`` which worker prefills the prompt
+            now: the admission ticket counts the prompt there until its first token.
 STREAMING   yield decode's events; the one with a finish reason ends it (FINISHED); with ``n`` > 1
             choices, the last choice's finish reason (each event names its choice). A choice the
             HTTP layer ended itself (``job.choice_ends``) is retired on decode at once
@@ -99,7 +101,7 @@ class Handoff:
                  prefix: PrefixView | None = None, skipped: frozenset[int] = frozenset(),
                  encode_images: Callable[[set[int]], Awaitable[None]] | None = None,
                  encode: Callable[[], Awaitable[None]] | None = None, images_on_decode: bool = False,
-                 reserve_in_generate: bool = False):
+                 reserve_in_generate: bool = False, on_move: Callable[[WorkerHandle], None] | None = None):
         self.job, self.shape, self.refs, self.digest, self.breakdown = job, shape, refs, digest, breakdown
         self.prefix = prefix                  # the prompt's prefix-cache keys per decode worker
         self.skipped = set(skipped)           # images not encoded: expected in the colocated worker's cache
@@ -108,6 +110,7 @@ class Handoff:
         self.images_on_decode = images_on_decode   # colocated attempts send the bytes; decode encodes them
         self.registry, self.rpc, self.cost_model, self.chunk_tokens = registry, rpc, cost_model, chunk_tokens
         self.loads = loads   # the policy's inputs now (gateway/admission.py), for the failure policy
+        self.on_move = on_move   # told the worker that prefills the prompt after a recovery moves it
         decode = registry.get("decode", decision.decode_worker)
         prefill = registry.get("prefill", decision.prefill_worker) if decision.prefill_worker else None
         if decode is None or (decision.prefill_worker and prefill is None):
@@ -158,6 +161,7 @@ class Handoff:
                 if moved is None:
                     raise
                 self._move_to(moved)
+                self._moved()
                 await self._reserve_on_decode()
         except BaseException as exc:   # no reservation (or the client gone): the Encode is not needed
             if encoding is not None:
@@ -259,6 +263,7 @@ class Handoff:
         else:
             self.reservation = await self.rpc.rearm(self.decode, self.reservation, self.job)  # blocks kept
             result.close_stream()   # only now: the old Generate ending first would free the blocks
+        self._moved()
         self.state = HandoffState.ATTEMPTING
 
     async def _stream(self) -> AsyncIterator[TokenEvent]:
@@ -331,6 +336,10 @@ class Handoff:
                     await self.result.prefill.settle(PREFILL_SETTLE_S if self.state is HandoffState.FINISHED else 0.0)
         finally:
             self.decode.inflight -= self.job.sampling.n
+
+    def _moved(self) -> None:
+        if self.on_move is not None:
+            self.on_move(self.prefill or self.decode)
 
     def _move_to(self, decode: WorkerHandle) -> None:
         self.decode.inflight -= self.job.sampling.n

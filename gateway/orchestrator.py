@@ -172,7 +172,8 @@ class Orchestrator:
                               loads=lambda: self.admission.loads(shape, self.registry, own_transfer=not colocated),
                               chunk_tokens=self.chunk_tokens, prefix=prefix, skipped=skipped,
                               encode=encode, encode_images=encode_images, images_on_decode=on_decode,
-                              reserve_in_generate=colocated and not skipped and (on_decode or not images.needs_encode))
+                              reserve_in_generate=colocated and not skipped and (on_decode or not images.needs_encode),
+                              on_move=ticket.moved)
             # aclosing: when the consumer closes us (disconnect, stop string), the handoff's
             # finally (release the reservation) runs now, not whenever the generator is collected
             async with contextlib.aclosing(handoff.events()) as events:

@@ -154,7 +154,7 @@ def registry_with(**stubs) -> WorkerRegistry:
 
 
 def make_handoff(registry: WorkerRegistry, decode: str = "d1", prefill: str | None = "p1",
-                 deadline_s: float = 30.0, encode=None) -> Handoff:
+                 deadline_s: float = 30.0, encode=None, on_move=None) -> Handoff:
     now = time.monotonic()
     job = ChatJob("req", [1, 2, 3], [], 4, SamplingParams(), now + deadline_s, 100.0, now)
     decision = PlacementDecision("disaggregated" if prefill else "colocated", decode, prefill, "forced", {"ttft_ms": 1.0})
@@ -163,7 +163,7 @@ def make_handoff(registry: WorkerRegistry, decode: str = "d1", prefill: str | No
                           prefill=tuple(PrefillWorkerLoad(h.address) for h in registry.healthy("prefill")))
 
     return Handoff(job, SHAPE, decision, [], "digest", {}, registry=registry, rpc=WorkerRpc(registry),
-                   cost_model=CostModel(prior=CPU_PRIOR), loads=loads, chunk_tokens=8, encode=encode)
+                   cost_model=CostModel(prior=CPU_PRIOR), loads=loads, chunk_tokens=8, encode=encode, on_move=on_move)
 
 
 async def collect(handoff: Handoff) -> list:
@@ -319,10 +319,12 @@ async def test_a_lost_prefill_worker_is_marked_and_the_retry_rearms_onto_another
     old, new = FakeStream([token([9])], gate=gate), FakeStream([token([5], "length", prefill_ms=2.0)])
     decode = FakeDecode([old, new])
     registry = registry_with(decode_d1=decode, prefill_p1=lost, prefill_p2=spare)
-    handoff = make_handoff(registry)
+    moves = []
+    handoff = make_handoff(registry, on_move=moves.append)
     events = await collect(handoff)
     assert [ev.token_ids for ev in events] == [[5]]
     assert not registry.get("prefill", "p1").healthy and registry.get("prefill", "p2").healthy
+    assert moves == [registry.get("prefill", "p2")]   # the admission ticket's placed prompt follows it
     assert (decode.rearmed, lost.calls, spare.calls) == (1, 1, 1)
     assert old.cancelled, "the first attempt's stream was left open"
     assert decode.generated[1].reservation.generation == 2       # the re-armed generation
@@ -380,10 +382,12 @@ async def test_a_reserve_on_a_dead_decode_worker_is_placed_on_another():
     dead = FakeDecode([], alive=False, reserve_error=rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused"))
     spare = FakeDecode([FakeStream([token([5], "length")])])
     registry = registry_with(decode_d1=dead, decode_d2=spare)
-    handoff = make_handoff(registry, prefill=None)
+    moves = []
+    handoff = make_handoff(registry, prefill=None, on_move=moves.append)
     events = await collect(handoff)
     assert [ev.token_ids for ev in events] == [[5]]
     assert not registry.get("decode", "d1").healthy and spare.reserved == 1
+    assert moves == [registry.get("decode", "d2")]    # colocated now on d2: its prompt counts there
     assert spare.generated[0].colocated and inflight(registry) == {"d1": 0, "d2": 0}
     assert not await tasks_left()
 

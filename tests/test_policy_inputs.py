@@ -434,3 +434,19 @@ def test_a_prompt_counts_on_the_worker_that_prefills_it_until_its_first_token() 
     ticket.left(got_first_token=True)
     ticket.left(got_first_token=False)
     assert handle.placed_prompts == {}
+
+
+def test_a_prompt_a_recovery_moves_counts_on_the_worker_that_prefills_it_now() -> None:
+    admission = GatewayAdmission(SETTINGS)
+    reg = registry(RECORDED["snapshots"]["idle"])
+    prefill = next(iter(reg.workers["prefill"].values()))
+    decode = next(iter(reg.workers["decode"].values()))
+    shape = RequestShape(427, 32)
+    ticket = admission.admitted(admission.admit(shape, reg, 20_000.0, 2_000.0), shape, 0.0, {}, prefill, "r1", 427)
+    ticket.moved(decode)                       # the prefill worker lost: the prompt goes colocated
+    assert prefill.placed_prompts == {} and decode.placed_prompts == {"r1": 427}
+    ticket.moved(decode)
+    assert decode.placed_prompts == {"r1": 427}
+    ticket.left(got_first_token=True)
+    ticket.moved(prefill)                      # after its first token it counts nowhere
+    assert prefill.placed_prompts == {} and decode.placed_prompts == {}
