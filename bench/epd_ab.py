@@ -97,17 +97,31 @@ def placements(delta: dict[str, float]) -> dict[str, int]:
     return out
 
 
+def _median(values) -> float | None:
+    """The median of the rounds that have the metric (a round that served nothing has no TTFT)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _lower(b: float | None, a: float | None) -> bool:
+    """B's latency is lower than A's; none at all (nothing served) is the highest."""
+    return b is not None and (a is None or b < a)
+
+
 def summarize(reports: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One concurrency's rounds: each stack's medians, and how often B beat A (lower TTFT, more req/s)."""
+    """One concurrency's rounds: each stack's medians, and how often B beat A (lower TTFT, more req/s,
+    more goodput)."""
     out: dict[str, Any] = {}
     for name in STACKS:
-        out[name] = {"ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in reports[name]),
+        out[name] = {"ttft_ms_p50": _median(r["ttft_ms_p50"] for r in reports[name]),
                      "req_per_s": statistics.median(r["req_per_s"] for r in reports[name]),
-                     "itl_ms_p99": statistics.median(r["itl_ms_p99"] for r in reports[name]),
+                     "goodput_req_per_s": statistics.median(r["goodput_req_per_s"] for r in reports[name]),
+                     "itl_ms_p99": _median(r["itl_ms_p99"] for r in reports[name]),
                      "failed": sum(r["failed"] for r in reports[name])}
     pairs = list(zip(reports["A"], reports["B"]))
-    out["b_lower_ttft_rounds"] = sum(b["ttft_ms_p50"] < a["ttft_ms_p50"] for a, b in pairs)
+    out["b_lower_ttft_rounds"] = sum(_lower(b["ttft_ms_p50"], a["ttft_ms_p50"]) for a, b in pairs)
     out["b_more_req_per_s_rounds"] = sum(b["req_per_s"] > a["req_per_s"] for a, b in pairs)
+    out["b_more_goodput_rounds"] = sum(b["goodput_req_per_s"] > a["goodput_req_per_s"] for a, b in pairs)
     out["rounds"] = len(pairs)
     return out
 
@@ -118,9 +132,12 @@ def table(summary: dict[int, dict[str, Any]]) -> str:
         rows.append([str(c), fmt(s["A"]["ttft_ms_p50"]), fmt(s["B"]["ttft_ms_p50"]),
                      f"{s['b_lower_ttft_rounds']}/{s['rounds']}", fmt(s["A"]["req_per_s"], 1),
                      fmt(s["B"]["req_per_s"], 1), f"{s['b_more_req_per_s_rounds']}/{s['rounds']}",
-                     fmt(s["A"]["itl_ms_p99"]), fmt(s["B"]["itl_ms_p99"]), str(s["A"]["failed"] + s["B"]["failed"])])
+                     fmt(s["A"]["goodput_req_per_s"]), fmt(s["B"]["goodput_req_per_s"]),
+                     f"{s['b_more_goodput_rounds']}/{s['rounds']}",
+                     fmt(s["A"]["itl_ms_p99"]), fmt(s["B"]["itl_ms_p99"]), str(s["A"]["failed"]), str(s["B"]["failed"])])
     return markdown_table(["concurrency", "A TTFT p50 ms", "B TTFT p50 ms", "B lower", "A req/s", "B req/s",
-                           "B more", "A ITL p99 ms", "B ITL p99 ms", "failed"], rows)
+                           "B more", "A goodput", "B goodput", "B more", "A ITL p99 ms", "B ITL p99 ms",
+                           "A failed", "B failed"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,9 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
                     placed = placements(counter_delta(before, scrape_counters(bases[name]), "epd:placement_total"))
                     reports[c][name].append({**run.report, "placements": placed})
-                    print(f"round {rnd} c{c} {name}: TTFT p50 {run.report['ttft_ms_p50']:.2f} ms, "
-                          f"{run.report['req_per_s']:.1f} req/s, failed {run.report['failed']}, placed {placed}",
-                          file=sys.stderr)
+                    print(f"round {rnd} c{c} {name}: TTFT p50 {fmt(run.report['ttft_ms_p50'])} ms, "
+                          f"{run.report['req_per_s']:.1f} req/s, goodput {run.report['goodput_req_per_s']:.2f}, "
+                          f"failed {run.report['failed']}, placed {placed}", file=sys.stderr)
     finally:
         stop_group(list(procs.values()))
     summary = {c: summarize(reports[c]) for c in args.concurrency}

@@ -484,5 +484,11 @@ def test_epd_ab_reads_each_stacks_settings_and_counts_the_rounds_b_won():
     assert (s["b_lower_ttft_rounds"], s["b_more_req_per_s_rounds"], s["rounds"]) == (2, 2, 3)
     assert s["A"]["itl_ms_p99"] == s["B"]["itl_ms_p99"] == 10.0
     assert "| 1 " in epd_ab.table({1: s}) and "2/3" in epd_ab.table({1: s})
+    # a round in which a stack served nothing has no TTFT: it loses that round, and the medians skip it
+    a[1].update(ttft_ms_p50=None, itl_ms_p99=None, goodput_req_per_s=0.0, failed=16)
+    s = epd_ab.summarize({"A": a, "B": b})
+    assert s["A"]["ttft_ms_p50"] == 10.5 and s["A"]["failed"] == 16
+    assert (s["b_lower_ttft_rounds"], s["b_more_goodput_rounds"]) == (3, 1)
+    assert "| 16 " in epd_ab.table({1: s})
     long = epd_ab.parse_args(["--long-fraction", "0.5", "--ttft-slo-ms", "20000", "--itl-slo-ms", "2000"])
     assert (long.long_fraction, long.long_prompt_words, long.ttft_slo_ms, long.itl_slo_ms) == (0.5, 400, 20000.0, 2000.0)
