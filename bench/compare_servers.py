@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.client import OPENAI_MAX_RETRIES
 from bench.compare_report import cache_rows, check_targets, print_model, ratio_rows
 from bench.harness.host import host_info
 from bench.harness.report import fmt, ratio, finish_results, results_header, settings_json
@@ -101,6 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-headers", action=argparse.BooleanOptionalAction, default=True,
                    help="--peer vllm: send each load's SLOs as x-ttft-slo-ms / x-itl-slo-ms (epd admits and "
                         "cuts by them; off: epd's own defaults, and a load measures capacity, not shedding)")
+    p.add_argument("--max-retries", type=int, default=OPENAI_MAX_RETRIES,
+                   help="--peer vllm: a request refused with 408/409/429/5xx is sent again as the openai client "
+                        "does, after the server's Retry-After, TTFT from the first send (bench/client.py); "
+                        "0: never, as vllm bench serve")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON + PNGs go here")
     p.add_argument("--tag", default="", help="suffix of the output files: compare_servers-TAG.json ...")
     p.add_argument("--logs", type=Path, default=Path("/tmp/epd-compare-logs"))
@@ -120,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.max_retries < 0:
+        p.error("--max-retries must be >= 0")
     if args.run_warmup < 0:
         p.error("--run-warmup must be >= 0")
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():

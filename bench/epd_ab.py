@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.client import OPENAI_MAX_RETRIES
 from bench.harness.host import host_info
 from bench.harness.paths import RESULTS, ROOT
 from bench.harness.report import finish_results, fmt, markdown_table, results_header, settings_json
@@ -72,6 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="sent as x-ttft-slo-ms (with --itl-slo-ms) and judged as goodput; default: the gateway's own")
     p.add_argument("--itl-slo-ms", type=float, default=None)
+    p.add_argument("--max-retries", type=int, default=OPENAI_MAX_RETRIES,
+                   help="a refused request sent again as the openai client does (bench/client.py); 0: never")
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--tag", default="", help="results/epd_ab-TAG.json")
     p.add_argument("--logs", type=Path, default=Path("/tmp/epd-ab-logs"))
@@ -164,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     run = run_load(bases[name], args.name, requests=n, concurrency=c, image_pool=n,
                                    max_tokens=args.max_tokens, seed=args.seed + 100 * rnd + c,
                                    long_fraction=args.long_fraction, long_prompt_words=args.long_prompt_words,
-                                   ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms)
+                                   ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
+                                   max_retries=args.max_retries)
                     placed = placements(counter_delta(before, scrape_counters(bases[name]), "epd:placement_total"))
                     reports[c][name].append({**run.report, "placements": placed})
                     print(f"round {rnd} c{c} {name}: TTFT p50 {fmt(run.report['ttft_ms_p50'])} ms, "

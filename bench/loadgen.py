@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, TextIO
 import httpx
 
 from .arrivals import send_offsets
-from .client import chat_body, send_chat
+from .client import OPENAI_MAX_RETRIES, chat_body, send_chat
 from .metrics import PERCENTILES, summarize
 from .record import RequestRecord
 from .workload import Workload, build_workload
@@ -63,7 +63,8 @@ class BenchConfig:
     slo_headers: bool = True  # send the SLOs as x-ttft-slo-ms / x-itl-slo-ms: epd aims at what goodput counts
     seed: int = 0
     check_answers: bool = True
-    timeout_s: float = 300.0  # per request, stream included
+    timeout_s: float = 300.0  # per request, retries and stream included
+    max_retries: int = OPENAI_MAX_RETRIES  # a refused request sent again as the openai client does (0: never)
     api_key: str | None = None  # sent as a Bearer token; never echoed
     progress: bool = True  # the updating line on stderr
 
@@ -86,6 +87,7 @@ class BenchConfig:
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be > 0, got {value}")
         _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        _require(self.max_retries >= 0, f"max_retries must be >= 0, got {self.max_retries}")
 
     def to_json(self) -> dict[str, Any]:
         """The config as echoed in the report: JSON-safe, the API key left out."""
@@ -166,7 +168,8 @@ async def _run_requests(
         async with slots:
             record.start_s = time.perf_counter() - start
             client = clients[index % len(clients)]
-            await send_chat(client, url, chat_body(spec, model, config.max_tokens), record, config.timeout_s)
+            await send_chat(client, url, chat_body(spec, model, config.max_tokens), record, config.timeout_s,
+                            config.max_retries)
         on_done(record)
         return record
 
@@ -256,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-answers", action=argparse.BooleanOptionalAction, default=d.check_answers,
                    help="count replies equal to the image's 'a <colour> <shape>'")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s, help="per-request timeout, s")
+    p.add_argument("--max-retries", type=int, default=d.max_retries,
+                   help="send a request refused with 408/409/429/5xx again, as the openai client does (its default "
+                        "2, after the server's Retry-After); 0: never, as vllm bench serve")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=d.progress,
                    help="show the progress line on stderr")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' for stdout)")

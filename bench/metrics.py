@@ -71,6 +71,7 @@ def summarize(
         "ok_without_text": sum(r.ttft_s is None for r in ok),   # no TTFT: out of the TTFT and ITL percentiles
         "failed": len(records) - len(ok),
         "failed_by_status": dict(sorted(failed.items())),
+        "retried": sum(r.retries > 0 for r in records),   # sent again after a refusal (``client.send_chat``)
         "duration_s": duration_s,
         "req_per_s": len(ok) / duration_s,
         "output_tok_per_s": sum(r.output_tokens for r in ok) / duration_s,

@@ -120,7 +120,8 @@ def _one_load(args, load: Load, procs, bases) -> dict[str, Any]:
     common = dict(requests=load.requests, concurrency=load.concurrency, image_pool=load.requests,
                   max_tokens=load.max_tokens, check_answers=check, timeout_s=args.timeout,
                   long_fraction=load.long_fraction, long_prompt_words=load.long_prompt_words,
-                  ttft_slo_ms=load.ttft_slo_ms, itl_slo_ms=load.itl_slo_ms, slo_headers=args.slo_headers)
+                  ttft_slo_ms=load.ttft_slo_ms, itl_slo_ms=load.itl_slo_ms, slo_headers=args.slo_headers,
+                  max_retries=args.max_retries)
     if args.load_warmup:   # unmeasured, its own seed: no measured image is in either server's cache
         for name in SERVERS:
             wait_quiet(list(procs.values()))
@@ -169,6 +170,8 @@ def table_rows(vllm: Mapping[str, Any], epd: Mapping[str, Any]) -> list[list[str
     # tokens but no text (a server that drops undecodable bytes): such a request has no TTFT, so the
     # TTFT percentiles leave it out while a server that sends the bytes as U+FFFD counts its TTFT
     rows.append(["ok with no text", str(vllm.get("ok_without_text", 0)), str(epd.get("ok_without_text", 0)), ""])
+    # refused, then sent again after the server's Retry-After (bench/client.py): their wait is in their TTFT
+    rows.append(["retried after a refusal", str(vllm.get("retried", 0)), str(epd.get("retried", 0)), ""])
     return rows
 
 

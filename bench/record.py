@@ -26,6 +26,7 @@ class RequestRecord:
     text: str = ""
     ttft_breakdown: str | None = None  # raw x-epd-ttft-breakdown response header
     error: str | None = None  # error body or exception text
+    retries: int = 0  # times it was sent again after a retryable refusal (``client.send_chat``)
 
     @property
     def correct(self) -> bool:

@@ -194,6 +194,7 @@ class FakeServer:
 
     answers: dict[str, str] = field(default_factory=dict)  # image data URL -> answer
     fail_every: int = 0  # every n-th request gets 429
+    refusal_headers: dict[str, str] = field(default_factory=dict)  # on each 429 (retry-after-ms, x-should-retry)
     break_stream: bool = False  # send an error event instead of the answer
     chunk_delay_s: float = 0.003
     seen: int = 0
@@ -228,7 +229,8 @@ def _fake_app(state: FakeServer) -> FastAPI:
         state.bodies.append(body)
         state.seen += 1
         if state.fail_every and state.seen % state.fail_every == 0:
-            return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}}, status_code=429)
+            return JSONResponse({"error": {"message": "slow down", "type": "rate_limit"}}, status_code=429,
+                                headers=state.refusal_headers)
         url = body["messages"][0]["content"][0]["image_url"]["url"]
         words = state.answers.get(url, "a red circle").split()
         state.in_flight += 1
@@ -287,10 +289,11 @@ def test_bench_end_to_end_with_429s(fake: Any, tmp_path: Path, capsys: pytest.Ca
     out, dump = tmp_path / "report.json", tmp_path / "requests.jsonl"
     rc = main(["--base", base, "--requests", "10", "--concurrency", "3", "--rate", "500", "--burstiness", "0.5",
                "--image-pool", "3", "--seed", "7", "--long-fraction", "0.3", "--long-prompt-words", "50",
-               "--ttft-slo-ms", "10000", "--itl-slo-ms", "10000", "--json", str(out), "--dump-requests", str(dump)])
+               "--ttft-slo-ms", "10000", "--itl-slo-ms", "10000", "--json", str(out), "--dump-requests", str(dump),
+               "--max-retries", "0"])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert (report["requests"], report["ok"], report["failed"]) == (10, 8, 2)
+    assert (report["requests"], report["ok"], report["failed"], report["retried"]) == (10, 8, 2, 0)
     assert report["failed_by_status"] == {"429": 2}
     for key in ("duration_s", "req_per_s", "output_tok_per_s", "goodput_req_per_s", "mean_ttft_ms",
                 *(f"{m}_ms_p{q}" for m in ("ttft", "itl", "e2e") for q in (50, 90, 99))):
@@ -315,6 +318,33 @@ def test_bench_end_to_end_with_429s(fake: Any, tmp_path: Path, capsys: pytest.Ca
     captured = capsys.readouterr()
     assert "10/10 done, 8 ok, 2 failed" in captured.err  # the progress line
     assert "goodput requests/s" in captured.out  # the printed summary
+
+
+def test_a_refused_request_is_sent_again_as_the_openai_client_would(fake: Any, tmp_path: Path) -> None:
+    """After the server's retry-after-ms, up to --max-retries times (the openai client's 2 by
+    default), with TTFT from the first send; never when the server says x-should-retry: false."""
+    state, base = fake
+    state.fail_every, state.refusal_headers = 2, {"retry-after-ms": "150"}
+    out, dump = tmp_path / "r.json", tmp_path / "requests.jsonl"
+    assert main(["--base", base, "--model", "m", "--requests", "4", "--concurrency", "1", "--no-progress",
+                 "--no-check-answers", "--json", str(out), "--dump-requests", str(dump)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["ok"], report["failed"], report["retried"], state.seen) == (4, 0, 3, 7)
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    retried = [r for r in rows if r["retries"]]
+    assert [r["retries"] for r in retried] == [1, 1, 1] and all(r["error"] is None for r in retried)
+    assert all(r["ttft_s"] >= 0.15 for r in retried)       # the wait counts against the request
+    assert all(r["ttft_s"] < 0.15 for r in rows if not r["retries"])
+
+    state.reset()
+    state.fail_every, state.refusal_headers = 1, {"retry-after-ms": "10"}   # refused every time
+    assert main(["--base", base, "--model", "m", "--requests", "1", "--no-progress", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["failed_by_status"] == {"429": 1} and state.seen == 3   # 1 + 2 retries
+
+    state.reset()
+    state.fail_every, state.refusal_headers = 1, {"retry-after-ms": "10", "x-should-retry": "false"}
+    assert main(["--base", base, "--model", "m", "--requests", "1", "--no-progress", "--json", str(out)]) == 1
+    assert state.seen == 1
 
 
 def test_json_to_stdout_plot_and_library_call(fake: Any, tmp_path: Path,
