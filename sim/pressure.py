@@ -12,9 +12,8 @@ failures still waiting past their prediction, learnt behind a queue no deeper th
 request arriving now joins (``runtime.policy.depth_quantile``), as in the gateway. As in the
 gateway, the rate is the higher of that and the rate the window's queues drained at
 (``runtime.policy.drain_fit``: a burst's first tokens batch, so it drains faster than the
-window's rate). The gateway also
-remembers its peak rate, for closed-loop clients after an idle spell; simulated arrivals are
-open loop, so the window's rates are the ones that hold here.
+window's rate). The gateway also remembers its peak rate, for closed-loop clients after an
+idle spell; simulated arrivals are open loop, so the window's rates are the ones that hold here.
 """
 
 from __future__ import annotations

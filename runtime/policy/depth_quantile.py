@@ -10,7 +10,8 @@ Below ``min_samples`` of those, there is no margin.
 Why: a wave of requests served in one step crosses its deadline together, and its requests
 teach one event's lateness many times over. Read as one pool, the 16 overruns of a wave cut at
 a 2 s deadline set the margin of a request behind 1 as of one behind 15, and admission then let
-in one request at a time until the window forgot them (bench-short: 47 of 48 refused). Lateness
+in one request at a time until the window forgot them (bench-short: 47 of 48 refused, with
+closed-loop clients that sent their next request at once after each refusal). Lateness
 learnt behind a deep queue is no evidence about a shallow one; behind as deep a queue again it
 still counts in full, so after a wave that crossed its deadline the next is admitted up to the
 depth where enough of those overruns apply, not cut to one request.
