@@ -49,8 +49,8 @@ class WorkerHandle:
     last_sample: int = 0
     inflight: int = field(default=0)   # requests this gateway currently has on the worker (decode: one per choice)
     # prompts this gateway placed to prefill there (colocated on a decode worker, or on a prefill worker)
-    # that have no first token yet, by request id: their tokens (admission.Ticket adds and removes them;
-    # one that recovery moves elsewhere stays counted here: an estimate's input, never a count of capacity)
+    # that have no first token yet, by request id: their tokens (admission.Ticket adds, moves with a
+    # recovery and removes them: an estimate's input, never a count of capacity)
     placed_prompts: dict[str, int] = field(default_factory=dict)
     bulk_address: str = ""             # decode: its bulk KV path, learnt from Reserve replies
     # decode: its prefix-cache summary (ids of its cached block keys) and that summary's version;
