@@ -351,21 +351,39 @@ def test_a_retry_costs_a_step_of_the_failed_workers_batch() -> None:
 # ---- a prefill worker on the decode worker's own cores --------------------------------
 
 
-def test_a_prefill_worker_on_the_decode_workers_busy_cores_waits_out_its_queue() -> None:
+def test_a_prefill_worker_on_the_decode_workers_busy_cores_is_charged_its_queue_beside_its_ttft() -> None:
     # a short prompt, the decode worker's colocated queue 100 ms deep: apart, remote is sooner
     queued = busy(running=4, queue_wait_ms=100.0)
     apart = choose_placement(SHORT, loads(queued, prefill=(PrefillWorkerLoad("p0"),)), CM, "conditional", 2000.0, 150.0)
     assert apart is not None and (apart.placement, apart.reason) == ("disaggregated", "local_queue_slower")
+    assert apart.estimates["remote_shared_ms"] == 0.0
     # the same prefill worker on the decode worker's saturated cores: its prompt takes what that queue needs
     saturated = PrefillWorkerLoad("p0", shared_cores=(("d0", 1.0),))
     same = choose_placement(SHORT, loads(queued, prefill=(saturated,)), CM, "conditional", 2000.0, 150.0)
     assert same is not None and (same.placement, same.reason) == ("colocated", "short_prompt_low_load")
-    assert same.estimates["remote_ttft_ms"] == pytest.approx(apart.estimates["remote_ttft_ms"] + 100.0)
+    assert same.estimates["remote_shared_ms"] == pytest.approx(100.0)
+    # ... charged to the choice, not to the remote first token, which joins d0's next step whatever d0 has queued
+    assert same.estimates["remote_ttft_ms"] == pytest.approx(apart.estimates["remote_ttft_ms"])
     # on shared cores that sit half idle, half the queue; on idle ones, none
-    half = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.5),)), queued)["remote_ttft_ms"]
-    assert half == pytest.approx(apart.estimates["remote_ttft_ms"] + 50.0)
-    idle = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.0),)), queued)["remote_ttft_ms"]
-    assert idle == pytest.approx(apart.estimates["remote_ttft_ms"])
+    half = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.5),)), queued)
+    assert half["remote_shared_ms"] == pytest.approx(50.0) and half["ttft_ms"] == pytest.approx(apart.estimates["remote_ttft_ms"])
+    idle = remote(SHORT, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.0),)), queued)
+    assert idle["remote_shared_ms"] == 0.0
+
+
+def test_a_deep_colocated_queue_on_shared_cores_does_not_refuse_what_the_prefill_worker_serves_in_time() -> None:
+    """A long prompt behind a decode worker's queue of long colocated prompts, its prefill worker on
+    the same saturated cores: colocated misses the deadline, remote does not, so it goes remote and
+    is admitted. Counted as a wait of its own, the shared queue made remote miss too, and the
+    request was refused (bench-long: estimates of 20-26 s against 20 s left, while the remote
+    prompts admitted beside it had first tokens in 1-3 s)."""
+    deep = busy(running=10, queue_wait_ms=25_000.0)
+    saturated = PrefillWorkerLoad("p0", queue_wait_ms=1_000.0, shared_cores=(("d0", 1.0),))
+    verdict = admit(LONG, loads(deep, prefill=(saturated,)), CM, "conditional", 20_000.0, 2_000.0)
+    assert verdict.ok and verdict.decision is not None
+    assert (verdict.decision.placement, verdict.decision.reason) == ("disaggregated", "local_misses_deadline")
+    assert verdict.decision.estimates["ttft_ms"] < 20_000.0 < verdict.decision.estimates["local_ttft_ms"]
+    assert verdict.decision.estimates["queue_ms"] == pytest.approx(1_000.0)   # the prefill queue it waits out
 
 
 def test_shared_cores_count_only_for_the_decode_worker_they_are_shared_with() -> None:

@@ -17,10 +17,14 @@ Placements:
   before the first token. TTFT = P's queue + prefill + transfer (behind the link's
   queue) + X's slot wait + one step. When P computes on X's own cores (one machine, overlapping
   CPUs: ``PrefillWorkerLoad.shared_cores``), P's prompt does not run beside X's queued work but
-  takes the cores that work needs, so the remote TTFT also waits out X's queued local work, in
-  the share those cores are busy (all of it on saturated cores; none on idle ones). On two
-  cores at 16 concurrent demo requests, remote placements chosen without this ("local queue
-  slower") cost 17-20% of the throughput that colocating them gives (bench/RESULTS.md).
+  takes the cores that work needs: the choice is charged X's queued local work in the share those
+  cores are busy (``shared_ms``: all of it on saturated cores; none on idle ones), beside its TTFT.
+  On two cores at 16 concurrent demo requests, remote placements chosen without this charge ("local
+  queue slower") cost 17-20% of the throughput that colocating them gives (bench/RESULTS.md). It is
+  a cost, not a wait of the request's own: the landed sequence joins X's next step whatever X has
+  queued, and counted in its TTFT, a bench-model long prompt behind a queue of colocated long
+  prompts was estimated at 10-17 s remote and 20-26 s colocated against a 20 s deadline and
+  refused, where the remote prompts admitted beside it had first tokens in 1-3 s.
 - ``conditional``: per request, the option that harms fewer requests' SLOs, then
   the cheaper one. Harm ("damage") counts this request if its TTFT estimate
   misses the deadline, plus, for colocated, every running neighbour whose next
@@ -91,7 +95,8 @@ class RemoteEstimate:
     decode_worker: str
     ttft_ms: float
     transfer_ms: float
-    queue_ms: float = 0.0  # of ttft_ms, the prefill worker's queue (and shared cores' queued work) it waits out
+    queue_ms: float = 0.0  # of ttft_ms, the prefill worker's queue it waits out
+    shared_ms: float = 0.0  # not of ttft_ms: the decode worker's queued work its prompt takes the cores of
 
 
 @dataclass(slots=True)
@@ -226,13 +231,14 @@ def choose_placement(
     local_harm = local_miss + local.breached
     apart = any(p.address == remote.prefill_worker and local.worker in p.apart_from for p in loads.prefill)
     stall = local.stall_ms if apart else local.interference_ms
-    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms < local.ttft_ms + stall):
+    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms + remote.shared_ms < local.ttft_ms + stall):
         if local.breached:
             reason = "long_prompt_busy_decoders"
         elif local_miss and not remote_miss:
             reason = "local_misses_deadline"
         else:
-            reason = "stall_on_busy_decoders" if remote.ttft_ms >= local.ttft_ms + local.interference_ms else "local_queue_slower"
+            reason = ("stall_on_busy_decoders" if remote.ttft_ms + remote.shared_ms >= local.ttft_ms + local.interference_ms
+                      else "local_queue_slower")
         return _decision(remote, reason, local, remote)
     if local.breached:
         reason = "stall_cheaper_than_transfer"
@@ -311,12 +317,13 @@ def _best_remote(
     encode_ms: float,
     prompt_prefill_ms: float,
 ) -> RemoteEstimate:
-    """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT.
+    """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT plus
+    ``shared_ms``.
 
     A landed sequence is inserted once a slot is reserved, at the next step boundary (it
-    does not wait for the worker's local prefill queue, except on cores shared with the
-    prefill worker, where the prompt itself waits it out in the share they are busy); then one
-    step makes its first token.
+    does not wait for the worker's local prefill queue); then one step makes its first token.
+    On cores shared with the prefill worker, the prompt takes the cores that queue needs, in the
+    share they are busy: ``shared_ms``, a cost of the choice, not a wait of the request's own.
     """
     prefill, soonest = prefill_workers[0], math.inf
     for p in prefill_workers if len(prefill_workers) > 1 else ():  # one worker is the soonest
@@ -324,19 +331,18 @@ def _best_remote(
             prefill, soonest = p, p.queue_wait_ms
     landed, transfer = _remote_landed(shape, prefill, link, cm, transfer_chunk_tokens, encode_ms, prompt_prefill_ms)
     shared = dict(prefill.shared_cores)
-    best_w, best_ttft, best_queue = None, 0.0, 0.0
+    best_w, best_ttft, best_shared = None, 0.0, 0.0
     for w in decode:
-        at, queue = landed, prefill.queue_wait_ms
+        at = landed
         busy = shared.get(w.address)
-        if busy:   # P's prompt takes the cores w's queued local work needs (see the module docstring)
-            at += busy * w.queue_wait_ms
-            queue += busy * w.queue_wait_ms
+        taken = busy * w.queue_wait_ms if busy else 0.0   # w's queued work P's prompt competes with
         if w.free_slots < shape.choices and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)
-        if best_w is None or _better(ttft, w, best_ttft, best_w):
-            best_w, best_ttft, best_queue = w, ttft, queue
-    return RemoteEstimate(prefill.address, best_w.address, best_ttft, transfer, best_queue)  # type: ignore[union-attr]
+        if best_w is None or _better(ttft + taken, w, best_ttft + best_shared, best_w):
+            best_w, best_ttft, best_shared = w, ttft, taken
+    return RemoteEstimate(prefill.address, best_w.address, best_ttft, transfer,  # type: ignore[union-attr]
+                          prefill.queue_wait_ms, best_shared)
 
 
 _TIE_MS = 1e-3  # estimates closer than this are a tie
@@ -367,6 +373,7 @@ def _decision(
     if remote is not None:
         estimates["remote_ttft_ms"] = remote.ttft_ms
         estimates["remote_transfer_ms"] = remote.transfer_ms
+        estimates["remote_shared_ms"] = remote.shared_ms
     if isinstance(chosen, LocalEstimate):
         return PlacementDecision(COLOCATED, chosen.worker, None, reason, estimates)
     return PlacementDecision(REMOTE, chosen.decode_worker, chosen.prefill_worker, reason, estimates)
