@@ -386,6 +386,26 @@ def test_a_deep_colocated_queue_on_shared_cores_does_not_refuse_what_the_prefill
     assert verdict.decision.estimates["queue_ms"] == pytest.approx(1_000.0)   # the prefill queue it waits out
 
 
+def test_the_shared_cores_charge_of_a_long_prompt_is_at_most_its_own_prefill() -> None:
+    """P's prompt holds the shared cores for its own prefill, so a prompt longer than a chunk takes at
+    most that from the decode worker's queue: behind a queue of colocated long prompts it goes to an
+    idle prefill worker on those cores. Charged the whole queue, it stayed colocated behind it (bench-long: first
+    tokens in ~10 s colocated against ~2 s remote)."""
+    deep = busy(running=10, queue_wait_ms=5_000.0)
+    saturated = PrefillWorkerLoad("p0", shared_cores=(("d0", 1.0),))
+    decision = choose_placement(LONG, loads(deep, prefill=(saturated,)), CM, "conditional", 20_000.0, 2_000.0,
+                                local_chunk_tokens=512)
+    assert decision is not None and (decision.placement, decision.reason) == ("disaggregated", "local_queue_slower")
+    assert decision.estimates["remote_shared_ms"] == pytest.approx(CM.prefill_ms(LONG.prompt_tokens))
+    # a queue shorter than the prompt's prefill is charged whole, in the share the cores are busy
+    shallow = remote(LONG, PrefillWorkerLoad("p0", shared_cores=(("d0", 0.5),)), busy(running=10, queue_wait_ms=100.0),
+                     local_chunk_tokens=512)
+    assert shallow["remote_shared_ms"] == pytest.approx(50.0)
+    # a prompt within a chunk rides the decode worker's next refill step with that queue: charged all of it
+    short = remote(SHORT, saturated, deep, local_chunk_tokens=512)
+    assert short["remote_shared_ms"] == pytest.approx(5_000.0)
+
+
 def test_shared_cores_count_only_for_the_decode_worker_they_are_shared_with() -> None:
     queued = busy("d0", running=4, queue_wait_ms=100.0)
     other = busy("d1", running=4, queue_wait_ms=100.0)

@@ -18,13 +18,19 @@ Placements:
   queue) + X's slot wait + one step. When P computes on X's own cores (one machine, overlapping
   CPUs: ``PrefillWorkerLoad.shared_cores``), P's prompt does not run beside X's queued work but
   takes the cores that work needs: the choice is charged X's queued local work in the share those
-  cores are busy (``shared_ms``: all of it on saturated cores; none on idle ones), beside its TTFT.
+  cores are busy (``shared_ms``: all of it on saturated cores, none on idle ones), beside its TTFT;
+  for a prompt longer than a chunk, at most its own prefill (X would drain it at the step budget
+  across many steps; P computes it in one call, and takes the cores only that long).
   On two cores at 16 concurrent demo requests, remote placements chosen without this charge ("local
   queue slower") cost 17-20% of the throughput that colocating them gives (bench/RESULTS.md). It is
   a cost, not a wait of the request's own: the landed sequence joins X's next step whatever X has
   queued, and counted in its TTFT, a bench-model long prompt behind a queue of colocated long
   prompts was estimated at 10-17 s remote and 20-26 s colocated against a 20 s deadline and
-  refused, where the remote prompts admitted beside it had first tokens in 1-3 s.
+  refused, where the remote prompts admitted beside it had first tokens in 1-3 s. Charged that whole
+  queue rather than its own prefill, such a prompt stayed colocated behind it (first tokens in ~10 s
+  against ~2 s remote); capped, bench-long served 15% more requests/s. A short prompt rides X's next
+  refill step with the queue, so it is charged the whole queue still: capped for every prompt, the
+  short ones of bench-long went remote three times as often, at ~2 s first tokens against ~0.75 s.
 - ``conditional``: per request, the option that harms fewer requests' SLOs, then
   the cheaper one. Harm ("damage") counts this request if its TTFT estimate
   misses the deadline, plus, for colocated, every running neighbour whose next
@@ -219,7 +225,8 @@ def choose_placement(
         local = _best_local(shape, local_capable, cost_model, itl_slo_ms, ttft_deadline_ms, local_chunk_tokens, enc,
                             prompt_ms, loads.encoder)
     if loads.prefill and (mode != COLOCATED or not local_capable):
-        remote = _best_remote(shape, loads.prefill, loads.link, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms)
+        remote = _best_remote(shape, loads.prefill, loads.link, decode, cost_model, transfer_chunk_tokens, enc, prompt_ms,
+                              local_chunk_tokens)
     if local is None and remote is None:
         return None
     if local is None or remote is None:
@@ -316,6 +323,7 @@ def _best_remote(
     transfer_chunk_tokens: int | None,
     encode_ms: float,
     prompt_prefill_ms: float,
+    local_chunk_tokens: int | None = None,
 ) -> RemoteEstimate:
     """The prefill worker that finishes soonest, then the decode worker with the lowest TTFT plus
     ``shared_ms``.
@@ -323,7 +331,9 @@ def _best_remote(
     A landed sequence is inserted once a slot is reserved, at the next step boundary (it
     does not wait for the worker's local prefill queue); then one step makes its first token.
     On cores shared with the prefill worker, the prompt takes the cores that queue needs, in the
-    share they are busy: ``shared_ms``, a cost of the choice, not a wait of the request's own.
+    share they are busy: ``shared_ms``, a cost of the choice, not a wait of the request's own. A
+    prompt longer than a chunk (``local_chunk_tokens``) takes them for its own prefill at most: on
+    the decode worker it would drain at the step budget across many steps, on P it is one call.
     """
     prefill, soonest = prefill_workers[0], math.inf
     for p in prefill_workers if len(prefill_workers) > 1 else ():  # one worker is the soonest
@@ -331,11 +341,14 @@ def _best_remote(
             prefill, soonest = p, p.queue_wait_ms
     landed, transfer = _remote_landed(shape, prefill, link, cm, transfer_chunk_tokens, encode_ms, prompt_prefill_ms)
     shared = dict(prefill.shared_cores)
+    long = local_chunk_tokens is not None and shape.prompt_tokens > local_chunk_tokens
     best_w, best_ttft, best_shared = None, 0.0, 0.0
     for w in decode:
         at = landed
         busy = shared.get(w.address)
         taken = busy * w.queue_wait_ms if busy else 0.0   # w's queued work P's prompt competes with
+        if long and busy and taken > busy * prompt_prefill_ms:   # ... for as long as it computes
+            taken = busy * prompt_prefill_ms
         if w.free_slots < shape.choices and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)
