@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import blake3
@@ -107,7 +108,7 @@ def token_digest(token_ids: Sequence[int], image_keys: Sequence[str],
     if grids and len(grids) != len(image_keys):
         raise ValueError(f"{len(grids)} grids for {len(image_keys)} images")
     h = blake3.blake3()
-    h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    h.update(array("q", token_ids).tobytes())   # int64s, native order: a torch int64 tensor's bytes, at a tenth of the cost
     for i, key in enumerate(image_keys):
         h.update(b"|" + key.encode())
         if grids and grids[i]:
