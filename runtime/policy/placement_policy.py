@@ -238,14 +238,14 @@ def choose_placement(
     local_harm = local_miss + local.breached
     apart = any(p.address == remote.prefill_worker and local.worker in p.apart_from for p in loads.prefill)
     stall = local.stall_ms if apart else local.interference_ms
-    if remote_miss < local_harm or (remote_miss == local_harm and remote.ttft_ms + remote.shared_ms < local.ttft_ms + stall):
+    remote_cost = remote.ttft_ms + remote.shared_ms
+    if remote_miss < local_harm or (remote_miss == local_harm and remote_cost < local.ttft_ms + stall):
         if local.breached:
             reason = "long_prompt_busy_decoders"
         elif local_miss and not remote_miss:
             reason = "local_misses_deadline"
         else:
-            reason = ("stall_on_busy_decoders" if remote.ttft_ms + remote.shared_ms >= local.ttft_ms + local.interference_ms
-                      else "local_queue_slower")
+            reason = "stall_on_busy_decoders" if remote_cost >= local.ttft_ms + local.interference_ms else "local_queue_slower"
         return _decision(remote, reason, local, remote)
     if local.breached:
         reason = "stall_cheaper_than_transfer"
@@ -346,9 +346,9 @@ def _best_remote(
     for w in decode:
         at = landed
         busy = shared.get(w.address)
-        taken = busy * w.queue_wait_ms if busy else 0.0   # w's queued work P's prompt competes with
-        if long and busy and taken > busy * prompt_prefill_ms:   # ... for as long as it computes
-            taken = busy * prompt_prefill_ms
+        # w's queued work P's prompt competes with (a long prompt: for as long as it computes)
+        queued = min(w.queue_wait_ms, prompt_prefill_ms) if long else w.queue_wait_ms
+        taken = busy * queued if busy else 0.0
         if w.free_slots < shape.choices and w.slot_wait_ms > at:
             at = w.slot_wait_ms
         ttft = at + cm.decode_step_ms(w.running_seqs + 1)
