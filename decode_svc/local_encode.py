@@ -17,15 +17,23 @@ with the store beside the step). A failed store only loses that cache entry (log
 ``store_failures``): the next request with the image is encoded again; so does a repeat that
 arrives before the store lands, which costs that one encode.
 
+Stores to one encoder ride together: each encoder has at most one ``Store`` call in flight, and the
+embeddings whose stores start meanwhile wait in its outbox for the next call, which takes them all
+(up to ``STORE_BATCH_BYTES``). A lone request's store goes at once; a burst's first tokens, which
+one step makes together, become one or two calls instead of one each (a call costs the encoder and
+this worker about as much CPU as the embeddings it carries on the demo model: storing nothing at
+all served 11% more demo requests/s, ``bench/RESULTS.md``).
+
 Encodes that wait for the model thread together run as one batch through the tower (``_drain``: each
 turn takes every encode waiting, no window, so a lone request never waits for company; a burst's
 images are encoded in one call, as the encoder's batcher does); a member whose bytes, key, mode or
 size fail its checks fails alone.
 
 Lifecycle: ``_waiting`` holds encodes until the drain task (``_drainer``, alive while any wait) takes
-them; ``_pending`` holds each request's stores from its encode until ``start_stores``;
-``_stores`` the store tasks in flight (each removes itself when done); ``close`` gives them
-``STORE_CLOSE_WAIT_S`` to finish, then cancels the rest (pending ones are dropped).
+them; ``_pending`` holds each request's stores from its encode until ``start_stores``, which moves
+them to their encoder's ``_outbox``; that encoder's sender task (``_senders``, alive while its outbox
+holds any) sends them; ``close`` gives the senders ``STORE_CLOSE_WAIT_S`` to finish, then cancels
+them (what is still pending or in an outbox is dropped).
 """
 
 from __future__ import annotations
@@ -54,6 +62,20 @@ T = TypeVar("T")
 
 STORE_TIMEOUT_S = 10.0      # one Store call to an encoder
 STORE_CLOSE_WAIT_S = 2.0    # what ``close`` gives the stores still in flight
+STORE_BATCH_BYTES = 64 << 20   # one Store call carries at most this much embedding data (at least one embedding)
+
+
+@dataclass(slots=True)
+class _Store:
+    """One embedding on its way to an encoder's cache, and the request it came from (for the log)."""
+
+    request_id: str
+    key: str
+    record: ImageEmbedding
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.record.features, self.record.deepstack) if t is not None)
 
 
 @dataclass(slots=True)
@@ -89,7 +111,9 @@ class LocalEncoder:
         self.digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.encoded = 0          # images encoded here
         self.store_failures = 0   # embeddings that did not reach their encoder's cache
-        self._stores: set[asyncio.Task] = set()
+        self.store_calls = 0      # Store calls made (each carries every embedding its encoder's outbox held)
+        self._outbox: dict[str, list[_Store]] = {}        # encoder address -> stores waiting for its next call
+        self._senders: dict[str, asyncio.Task] = {}       # encoder address -> the task sending its outbox
         self._pending: dict[str, list[tuple[str, list[tuple[str, ImageEmbedding]]]]] = {}   # request id -> stores
         self._waiting: list[_Waiting] = []          # encodes for the next model-thread call
         self._drainer: asyncio.Task | None = None   # runs them while any wait
@@ -196,33 +220,60 @@ class LocalEncoder:
             self._pending.setdefault(request_id, []).extend(by_encoder.items())
 
     def start_stores(self, request_id: str) -> None:
-        """Start the stores ``request_id``'s encodes left (none: nothing to do; a second call finds none)."""
+        """Send the stores ``request_id``'s encodes left with their encoder's next call (none: nothing to
+        do; a second call finds none)."""
         for address, items in self._pending.pop(request_id, ()):
-            task = asyncio.create_task(self._store(request_id, address, items), name=f"store-{request_id}")
-            self._stores.add(task)
-            task.add_done_callback(self._stores.discard)
+            self._outbox.setdefault(address, []).extend(_Store(request_id, key, record) for key, record in items)
+            if address not in self._senders:
+                self._senders[address] = asyncio.create_task(self._send(address), name=f"store-{address}")
 
-    def _stored(self, items: list[tuple[str, ImageEmbedding]]) -> list[pb.StoredEmbedding]:
-        """The wire form, in the encoder cache's stored layout (off the event loop and the torch thread)."""
-        return [pb.StoredEmbedding(cache_key=key, embedding=tensor_to_pb(self.adapter.family.to_tensor(record)))
-                for key, record in items]
-
-    async def _store(self, request_id: str, address: str, items: list[tuple[str, ImageEmbedding]]) -> None:
+    async def _send(self, address: str) -> None:
+        """One call at a time to ``address``, each with what its outbox holds then, until it holds none."""
         try:
-            await self.fetcher.store(address, await asyncio.to_thread(self._stored, items), STORE_TIMEOUT_S)
-        except Exception as exc:   # the cache entry is lost, nothing else: the request has its embeddings
-            self.store_failures += len(items)
-            log.warning("request %s: storing %d embedding(s) with encoder %s failed: %s",
-                        request_id, len(items), address, exc)
+            while batch := self._take(address):
+                await self._store(address, batch)
+        finally:
+            self._senders.pop(address, None)
+
+    def _take(self, address: str) -> list[_Store]:
+        """The outbox's oldest stores, up to ``STORE_BATCH_BYTES`` (at least one); the rest wait."""
+        outbox = self._outbox.get(address, [])
+        size, n = 0, 0
+        while n < len(outbox) and (n == 0 or size + outbox[n].nbytes <= STORE_BATCH_BYTES):
+            size += outbox[n].nbytes
+            n += 1
+        batch, rest = outbox[:n], outbox[n:]
+        if rest:
+            self._outbox[address] = rest
+        else:
+            self._outbox.pop(address, None)
+        return batch
+
+    def _stored(self, batch: list[_Store]) -> list[pb.StoredEmbedding]:
+        """The wire form, in the encoder cache's stored layout (off the event loop and the torch thread)."""
+        return [pb.StoredEmbedding(cache_key=s.key, embedding=tensor_to_pb(self.adapter.family.to_tensor(s.record)))
+                for s in batch]
+
+    async def _store(self, address: str, batch: list[_Store]) -> None:
+        self.store_calls += 1
+        try:
+            await self.fetcher.store(address, await asyncio.to_thread(self._stored, batch), STORE_TIMEOUT_S)
+        except Exception as exc:   # the cache entries are lost, nothing else: the requests have their embeddings
+            self.store_failures += len(batch)
+            log.warning("storing %d embedding(s) of request(s) %s with encoder %s failed: %s", len(batch),
+                        ", ".join(dict.fromkeys(s.request_id for s in batch)), address, exc)
 
     async def close(self) -> None:
         if self._drainer is not None:
             self._drainer.cancel()
         waiting, self._waiting = self._waiting, []
         _settle(waiting, [RuntimeError("decode worker stopping")] * len(waiting))
-        if self._stores:
-            await asyncio.wait(set(self._stores), timeout=STORE_CLOSE_WAIT_S)
-        for task in list(self._stores):
+        senders = set(self._senders.values())
+        if senders:
+            await asyncio.wait(senders, timeout=STORE_CLOSE_WAIT_S)
+        for task in senders:
             task.cancel()
-        if self._stores:
-            await asyncio.wait(set(self._stores))
+        if senders:
+            await asyncio.wait(senders)
+        self._outbox.clear()
+        self._pending.clear()

@@ -364,6 +364,7 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 "refill_waits_total": self.scheduler.refill_waits,
                 "images_encoded_here_total": self.local_encoder.encoded,
                 "embedding_store_failures_total": self.local_encoder.store_failures,
+                "embedding_store_calls_total": self.local_encoder.store_calls,
                 **{f"kv_chunks_{outcome}": n for outcome, n in self.receiver.outcomes.items()}}
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:

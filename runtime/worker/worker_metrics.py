@@ -38,6 +38,7 @@ _COUNTERS = {   # local_stats key ``<name>_total`` -> ``epd:worker_<name>_total`
     "encoder_stored": "Embeddings decode workers computed themselves and handed to the encoder's cache",
     "images_encoded_here": "Images a decode worker encoded itself for a colocated request",
     "embedding_store_failures": "Embeddings a decode worker computed that did not reach the encoder's cache",
+    "embedding_store_calls": "Store calls a decode worker made to encoders (each carries every embedding then waiting for it)",
     "refill_waits": "Refill steps a decode worker held for colocated prompts on their way",
 }
 
