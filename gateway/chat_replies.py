@@ -124,18 +124,29 @@ class ChatReplies:
                                        **extra)
             return sse_event(body)
 
-        yield chunk(Delta(role="assistant", content=""))
+        # Each yield is one write through the ASGI stack: the events one token makes go out together, the
+        # role chunk with the first token's (it is sent alone only when that token's text is held back),
+        # the finish chunk with the usage chunk
+        role: bytes | None = chunk(Delta(role="assistant", content=""))
         async for text in generation.texts(first):
             samples = generation.take_logprobs()
             if shaper.parser is not None:   # tool calls are read out of the text (no logprobs: refused with tools)
-                for delta in shaper.deltas(text):
-                    yield chunk(delta)
+                out = [chunk(delta) for delta in shaper.deltas(text)]
             elif text or samples:
-                yield chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)
-        for delta in shaper.end_deltas():
-            yield chunk(delta)
+                out = [chunk(Delta(content=text), logprobs=self.logprob_format.chat(samples) if chat.logprobs else None)]
+            else:
+                out = []
+            if role is not None:
+                out.insert(0, role)
+                role = None
+            if out:
+                yield b"".join(out)
+        out = [role] if role is not None else []
+        out += [chunk(delta) for delta in shaper.end_deltas()]
         await generation.close()  # release the backend's hold now, not after the last bytes are sent
-        yield chunk(Delta(), shaper.finish_reason(generation.finish_reason), epd_ttft_breakdown=generation.ttft_breakdown)
+        out.append(chunk(Delta(), shaper.finish_reason(generation.finish_reason),
+                         epd_ttft_breakdown=generation.ttft_breakdown))
         if chat.include_usage:
-            yield sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
-                                                choices=[], usage=self._usage(generation)))
+            out.append(sse_event(ChatCompletionChunk(id=generation.job.request_id, created=created, model=chat.model,
+                                                     choices=[], usage=self._usage(generation))))
+        yield b"".join(out)

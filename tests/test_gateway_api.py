@@ -498,3 +498,45 @@ async def test_prompt_workers_bounds_the_builds_in_flight(backend, prompts, thre
                                          for _ in range(4)))
     assert [r.status_code for r in replies] == [200] * 4
     assert seen["peak"] == 1 and single._processors.size == 1
+
+
+
+async def asgi_writes(app, body: dict) -> list[bytes]:
+    """The response body of one POST to ``/v1/chat/completions``, as the app wrote it (one entry per write)."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"gateway"), (b"content-type", b"application/json"),
+                                          (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("gateway", 80)}
+    received, writes = False, []
+
+    async def receive():
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()   # the client stays
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            writes.append(message["body"])
+
+    await app(scope, receive, send)
+    return writes
+
+
+async def test_a_stream_writes_the_role_with_the_first_token_and_the_finish_with_the_usage(backend, prompts):
+    """Every write goes through the ASGI stack (and is a read for the client): the role chunk rides the
+    first token's chunk, the finish chunk the usage chunk, then ``[DONE]``."""
+    request = chat(image_message(data_url(image_bytes(shape(5).image))), temperature=0, max_tokens=4,
+                   stream=True, stream_options={"include_usage": True})
+    app = create_app(GatewaySettings(model=str(demo_model_path()[0])), backend, prompt_builder=prompts)
+    async with app.router.lifespan_context(app):
+        writes = [sse_events(w.decode()) for w in await asgi_writes(app, request)]
+    assert [e["choices"][0]["delta"].keys() for e in writes[0]] == [{"role", "content"}, {"content"}]
+    assert writes[0][1]["choices"][0]["delta"]["content"]
+    assert [len(w) for w in writes[1:-2]] == [1] * (len(writes) - 3), "one chunk per later token"
+    finish, usage = writes[-2]
+    assert finish["choices"][0]["finish_reason"] and usage["choices"] == [] and usage["usage"]
+    assert writes[-1] == ["[DONE]"]
