@@ -114,7 +114,7 @@ class LocalEncoder:
         self.store_calls = 0      # Store calls made (each carries every embedding its encoder's outbox held)
         self._outbox: dict[str, list[_Store]] = {}        # encoder address -> stores waiting for its next call
         self._senders: dict[str, asyncio.Task] = {}       # encoder address -> the task sending its outbox
-        self._pending: dict[str, list[tuple[str, list[tuple[str, ImageEmbedding]]]]] = {}   # request id -> stores
+        self._pending: dict[str, list[tuple[str, _Store]]] = {}   # request id -> (encoder address, store)
         self._waiting: list[_Waiting] = []          # encodes for the next model-thread call
         self._drainer: asyncio.Task | None = None   # runs them while any wait
 
@@ -212,18 +212,16 @@ class LocalEncoder:
         return image
 
     def _hold_stores(self, request_id: str, refs: Sequence[pb.ImageRef], records: list[ImageEmbedding]) -> None:
-        by_encoder: dict[str, list[tuple[str, ImageEmbedding]]] = {}
-        for ref, record in zip(refs, records):
-            if ref.encoder_address:
-                by_encoder.setdefault(ref.encoder_address, []).append((ref.cache_key, record))
-        if by_encoder:
-            self._pending.setdefault(request_id, []).extend(by_encoder.items())
+        held = [(ref.encoder_address, _Store(request_id, ref.cache_key, record))
+                for ref, record in zip(refs, records) if ref.encoder_address]
+        if held:
+            self._pending.setdefault(request_id, []).extend(held)
 
     def start_stores(self, request_id: str) -> None:
         """Send the stores ``request_id``'s encodes left with their encoder's next call (none: nothing to
         do; a second call finds none)."""
-        for address, items in self._pending.pop(request_id, ()):
-            self._outbox.setdefault(address, []).extend(_Store(request_id, key, record) for key, record in items)
+        for address, store in self._pending.pop(request_id, ()):
+            self._outbox.setdefault(address, []).append(store)
             if address not in self._senders:
                 self._senders[address] = asyncio.create_task(self._send(address), name=f"store-{address}")
 
