@@ -80,6 +80,7 @@ from runtime.worker.timing_log import TimingLog
 from runtime.worker.tracing import annotate, span
 from runtime.worker.wire import logprobs_to_pb, sampling_from_pb, variant_problem
 
+from .generate_mux import GenerateMany
 from .generate_steps import GenerateSteps
 from .kv_receiver import KVReceiver, StreamTally
 from .local_encode import LocalEncoder
@@ -352,6 +353,11 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
                 self.scheduler.cancel(s)             # each retirement is counted; the last releases
             if not held and not seq.status.is_finished and not keep_reservation:
                 self.table.release_lease(lease, "generate ended before insertion")
+
+    async def GenerateMany(self, request_iterator, context):
+        """Many ``Generate`` calls on one stream from a gateway (``generate_mux.py``): each runs ``Generate``."""
+        async for event in GenerateMany(self.Generate).serve(request_iterator):
+            yield event
 
     def local_stats(self) -> dict[str, int]:
         return {"reservations_active": self.table.active, "pending_chunks": self.table.pending_chunks,

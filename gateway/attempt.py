@@ -122,7 +122,7 @@ async def run_attempt(rpc: WorkerRpc, job: ChatJob, decode: WorkerHandle, prefil
             for ref, image in zip(request.images, job.images):
                 ref.image_data = image.data
     started = time.monotonic()
-    stream = decode.stub.Generate(request, timeout=e2e_timeout)
+    stream = decode.generate(request, e2e_timeout)
     call = None
     if not colocated:
         call = PrefillCall(prefill, pb.PrefillRequest(

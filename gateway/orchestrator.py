@@ -66,7 +66,8 @@ class Orchestrator:
         static = {"encoder": settings.encoder_addrs, "prefill": settings.prefill_addrs, "decode": settings.decode_addrs}
         self.measured = MeasuredTimings()
         self.registry = registry or WorkerRegistry(static, settings.redis_url, on_sample=self._on_sample,
-                                                   on_refresh=self._publish_gauges, token=settings.internal_token)
+                                                   on_refresh=self._publish_gauges, token=settings.internal_token,
+                                                   generate_stream=settings.generate_stream)
         self.chunk_tokens = settings.prefill_chunk_tokens
         self.rpc = WorkerRpc(self.registry)
         self.encoder_step = EncoderStep(self.registry, self.rpc, SeenImages(), settings.inline_embedding_bytes,

@@ -31,6 +31,8 @@ from proto.epd.v1 import epd_pb2_grpc as pb_grpc
 from runtime.worker.discovery import list_workers
 from runtime.worker.internal_auth import open_channel
 
+from .generate_mux import GenerateMux
+
 log = logging.getLogger("epd.gateway.registry")
 
 ROLES = ("encoder", "prefill", "decode")
@@ -57,6 +59,20 @@ class WorkerHandle:
     # emptied when a poll fails (a restarted worker lost its cache, and says so with a new version)
     prefix_summary: frozenset[int] = frozenset()
     prefix_summary_version: str = ""
+    # decode: the GenerateMany stream its requests go on (generate_mux.py); None: one Generate call each
+    generate_mux: GenerateMux | None = None
+
+    def generate(self, request: pb.GenerateRequest, timeout_s: float):
+        """Decode: the request's ``Generate``, read as a call (a message on ``generate_mux`` when there is one)."""
+        if self.generate_mux is not None:
+            return self.generate_mux.call(request, timeout_s)
+        return self.stub.Generate(request, timeout=timeout_s)
+
+    async def close(self) -> None:
+        """Close the channel (and the GenerateMany stream on it: the requests still on it fail)."""
+        if self.generate_mux is not None:
+            await self.generate_mux.close()
+        await self.channel.close()
 
     def describe(self) -> dict:
         s = self.stats
@@ -86,10 +102,12 @@ class WorkerHandle:
 class WorkerRegistry:
     def __init__(self, static: dict[str, list[str]], redis_url: str | None, *, poll_s: float = 0.5,
                  on_sample: Callable[[str, pb.TimingSample], None] | None = None,
-                 on_refresh: Callable[[], None] | None = None, token: SecretStr | None = None):
+                 on_refresh: Callable[[], None] | None = None, token: SecretStr | None = None,
+                 generate_stream: bool = True):
         self.workers: dict[str, dict[str, WorkerHandle]] = {role: {} for role in ROLES}
         self._static = static
         self._token = token   # EPD_INTERNAL_TOKEN: every channel sends it on every call
+        self._generate_stream = generate_stream   # decode handles send Generate on a GenerateMany stream
         self._redis = aioredis.from_url(redis_url, socket_timeout=1, socket_connect_timeout=1) if redis_url else None
         self.poll_s = poll_s
         self.on_sample = on_sample or (lambda role, s: None)
@@ -103,7 +121,9 @@ class WorkerRegistry:
     def _add(self, role: str, address: str, static: bool = False) -> WorkerHandle:
         if address not in self.workers[role]:
             channel = open_channel(address, self._token)
-            self.workers[role][address] = WorkerHandle(role, address, channel, _STUBS[role](channel), static=static)
+            stub = _STUBS[role](channel)
+            mux = GenerateMux(stub) if role == "decode" and self._generate_stream else None
+            self.workers[role][address] = WorkerHandle(role, address, channel, stub, static=static, generate_mux=mux)
         return self.workers[role][address]
 
     async def start(self) -> None:
@@ -122,7 +142,7 @@ class WorkerRegistry:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._task, 5.0)
         for h in self.handles():
-            await h.channel.close()
+            await h.close()
         if self._redis is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._redis.aclose(), 2.0)
@@ -151,7 +171,7 @@ class WorkerRegistry:
                 log.warning("discovery through Redis failed: %s", exc)
         for h in [h for h in self._leaving if h.inflight <= 0]:
             self._leaving.remove(h)
-            await h.channel.close()
+            await h.close()
         await asyncio.gather(*(self._poll(h) for handles in self.workers.values() for h in list(handles.values())))
         self.on_refresh()
 

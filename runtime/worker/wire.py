@@ -29,7 +29,12 @@ GRPC_OPTIONS = [
 # A worker's server owns its port: gRPC's default SO_REUSEPORT would let a second server bind a port
 # another already listens on, and the kernel would then split new connections between the two
 # (a decode worker's RPCs reaching an encoder half the time). Without it, that bind fails loudly.
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+#
+# A gateway's GenerateMany stream stays open while no request is on it, and its channel pings every
+# keepalive_time_ms; gRPC's server default accepts one ping per 5 minutes without data and answers
+# more with GOAWAY "too_many_pings", which would fail every request on the stream. So a worker
+# accepts them at half the keepalive interval.
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
 def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:

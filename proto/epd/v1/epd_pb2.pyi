@@ -486,6 +486,58 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class GenerateOpen(_message.Message):
+    __slots__ = ("call", "start", "cancel", "timeout_s")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    start: GenerateRequest
+    cancel: bool
+    timeout_s: float
+    def __init__(self, call: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GenerateOpens(_message.Message):
+    __slots__ = ("opens",)
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[GenerateOpen]
+    def __init__(self, opens: _Optional[_Iterable[_Union[GenerateOpen, _Mapping]]] = ...) -> None: ...
+
+class StatusEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class GenerateEnd(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[StatusEntry]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[StatusEntry, _Mapping]]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("call", "event", "end")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    event: TokenEvent
+    end: GenerateEnd
+    def __init__(self, call: _Optional[int] = ..., event: _Optional[_Union[TokenEvent, _Mapping]] = ..., end: _Optional[_Union[GenerateEnd, _Mapping]] = ...) -> None: ...
+
+class GenerateEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[GenerateEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[GenerateEvent, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "images", "sampling", "decode_address", "reservation", "chunk_tokens", "deadline_unix_ms", "token_digest", "decode_bulk_address", "rope_delta")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -255,6 +255,11 @@ class DecodeStub:
                 request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/epd.v1.Decode/GenerateMany',
+                request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateOpens.SerializeToString,
+                response_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateEvents.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/epd.v1.Decode/Release',
                 request_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.ReleaseRequest.SerializeToString,
@@ -294,6 +299,12 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -328,6 +339,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.TokenEvent.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateOpens.FromString,
+                    response_serializer=proto_dot_epd_dot_v1_dot_epd__pb2.GenerateEvents.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -448,6 +464,33 @@ class Decode:
             '/epd.v1.Decode/Generate',
             proto_dot_epd_dot_v1_dot_epd__pb2.GenerateRequest.SerializeToString,
             proto_dot_epd_dot_v1_dot_epd__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/epd.v1.Decode/GenerateMany',
+            proto_dot_epd_dot_v1_dot_epd__pb2.GenerateOpens.SerializeToString,
+            proto_dot_epd_dot_v1_dot_epd__pb2.GenerateEvents.FromString,
             options,
             channel_credentials,
             insecure,
