@@ -74,9 +74,13 @@ class MuxCall:
         return self._over
 
     def cancel(self) -> bool:
-        """As a call's ``cancel``: the worker cancels this request's ``Generate``; ``False`` when already over."""
-        if not self._finish(asyncio.CancelledError()):
+        """As a call's ``cancel``: the worker cancels this request's ``Generate``; ``False`` when already over.
+        A read after it raises ``asyncio.CancelledError`` at once, as on a call (events not yet read are dropped)."""
+        if self._over:
             return False
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+        self._finish(asyncio.CancelledError())
         self._stream.send_cancel(self.number)
         return True
 
@@ -141,7 +145,7 @@ class _Stream:
             log.debug("GenerateMany stream stopped taking requests: %r", exc)   # the reader tells every call
 
     async def _read(self) -> None:
-        error: BaseException = _error(grpc.StatusCode.UNAVAILABLE, "GenerateMany stream closed by the worker")
+        error = _error(grpc.StatusCode.UNAVAILABLE, "GenerateMany stream closed by the worker")
         try:
             async for batch in self._call:
                 for message in batch.events:
@@ -160,8 +164,8 @@ class _Stream:
         finally:
             self.failed = True
             self._writer.cancel()
-            for call in list(self.calls.values()):
-                call.fail(error)
+            for call in list(self.calls.values()):   # each its own exception object, as each call's would be
+                call.fail(_error(error.code(), error.details(), tuple(error.trailing_metadata() or ())))
 
     async def close(self) -> None:
         self.failed = True
