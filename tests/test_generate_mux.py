@@ -75,6 +75,18 @@ async def worker(recorder: Recorder, port: int = 0):
         await server.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def gateway_side(port: int):
+    """The gateway's side: a channel dialled as the registry dials a worker, and its ``GenerateMux``."""
+    channel = open_channel(f"127.0.0.1:{port}", TOKEN)
+    mux = GenerateMux(pb_grpc.DecodeStub(channel))
+    try:
+        yield mux
+    finally:
+        await mux.close()
+        await channel.close()
+
+
 async def read_all(call) -> list[int]:
     return [ev.token_ids[0] async for ev in call]
 
@@ -89,18 +101,15 @@ def test_requests_share_one_stream_and_each_gets_its_own_events() -> None:
     async def main() -> None:
         recorder = Recorder()
         async with worker(recorder) as (_, servicer, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            calls = [mux.call(pb.GenerateRequest(request_id=f"r-{n}-{k}"), 10.0) for k, n in enumerate((3, 7, 1, 5))]
-            results = await asyncio.gather(*(read_all(c) for c in calls))
-            assert results == [list(range(3)), list(range(7)), [0], list(range(5))]
-            first = calls[0].__aiter__()
-            assert calls[0].__aiter__() is first   # a second read continues the one iterator, as a call's does
-            assert (await read_all(mux.call(pb.GenerateRequest(request_id="r-2-x"), 10.0))) == [0, 1]
-            assert servicer.streams == 1   # five requests, one stream
-            await until(lambda: len(recorder.finished) == 5)
-            await mux.close()
-            await channel.close()
+            async with gateway_side(port) as mux:
+                calls = [mux.call(pb.GenerateRequest(request_id=f"r-{n}-{k}"), 10.0) for k, n in enumerate((3, 7, 1, 5))]
+                results = await asyncio.gather(*(read_all(c) for c in calls))
+                assert results == [list(range(3)), list(range(7)), [0], list(range(5))]
+                first = calls[0].__aiter__()
+                assert calls[0].__aiter__() is first   # a second read continues the one iterator, as a call's does
+                assert (await read_all(mux.call(pb.GenerateRequest(request_id="r-2-x"), 10.0))) == [0, 1]
+                assert servicer.streams == 1   # five requests, one stream
+                await until(lambda: len(recorder.finished) == 5)
 
     asyncio.run(main())
 
@@ -109,22 +118,19 @@ def test_a_failed_call_raises_its_status_and_failure_kind_and_the_others_go_on()
     async def main() -> None:
         recorder = Recorder()
         async with worker(recorder) as (_, _, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            aborted = mux.call(pb.GenerateRequest(request_id="abort-1"), 10.0)
-            broken = mux.call(pb.GenerateRequest(request_id="boom-1"), 10.0)
-            fine = mux.call(pb.GenerateRequest(request_id="r-4"), 10.0)
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await read_all(aborted)
-            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and exc.value.details() == "no embedding"
-            assert failure_kind(exc.value) is FailureKind.EMBEDDING_FETCH
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await read_all(broken)
-            assert exc.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in exc.value.details()
-            assert await read_all(fine) == [0, 1, 2, 3]
-            assert aborted.done() and broken.done() and fine.done()
-            await mux.close()
-            await channel.close()
+            async with gateway_side(port) as mux:
+                aborted = mux.call(pb.GenerateRequest(request_id="abort-1"), 10.0)
+                broken = mux.call(pb.GenerateRequest(request_id="boom-1"), 10.0)
+                fine = mux.call(pb.GenerateRequest(request_id="r-4"), 10.0)
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await read_all(aborted)
+                assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and exc.value.details() == "no embedding"
+                assert failure_kind(exc.value) is FailureKind.EMBEDDING_FETCH
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await read_all(broken)
+                assert exc.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in exc.value.details()
+                assert await read_all(fine) == [0, 1, 2, 3]
+                assert aborted.done() and broken.done() and fine.done()
 
     asyncio.run(main())
 
@@ -133,19 +139,16 @@ def test_cancel_reaches_the_worker_and_frees_what_its_generate_held() -> None:
     async def main() -> None:
         recorder = Recorder()
         async with worker(recorder) as (_, _, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            call = mux.call(pb.GenerateRequest(request_id="hang-1"), 10.0)
-            await until(lambda: recorder.started == ["hang-1"])
-            reading = asyncio.ensure_future(read_all(call))
-            await asyncio.sleep(0.05)
-            assert call.cancel() and not call.cancel()   # once
-            with pytest.raises(asyncio.CancelledError):
-                await reading
-            await until(lambda: recorder.finished == ["hang-1"])   # the worker's Generate ran its finally
-            assert await read_all(mux.call(pb.GenerateRequest(request_id="r-2"), 10.0)) == [0, 1]   # the stream lives on
-            await mux.close()
-            await channel.close()
+            async with gateway_side(port) as mux:
+                call = mux.call(pb.GenerateRequest(request_id="hang-1"), 10.0)
+                await until(lambda: recorder.started == ["hang-1"])
+                reading = asyncio.ensure_future(read_all(call))
+                await asyncio.sleep(0.05)
+                assert call.cancel() and not call.cancel()   # once
+                with pytest.raises(asyncio.CancelledError):
+                    await reading
+                await until(lambda: recorder.finished == ["hang-1"])   # the worker's Generate ran its finally
+                assert await read_all(mux.call(pb.GenerateRequest(request_id="r-2"), 10.0)) == [0, 1]   # the stream lives on
 
     asyncio.run(main())
 
@@ -154,14 +157,11 @@ def test_the_deadline_ends_the_call_on_both_sides() -> None:
     async def main() -> None:
         recorder = Recorder()
         async with worker(recorder) as (_, _, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await read_all(mux.call(pb.GenerateRequest(request_id="hang-1"), 0.2))
-            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await until(lambda: recorder.finished == ["hang-1"])
-            await mux.close()
-            await channel.close()
+            async with gateway_side(port) as mux:
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await read_all(mux.call(pb.GenerateRequest(request_id="hang-1"), 0.2))
+                assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await until(lambda: recorder.finished == ["hang-1"])
 
     asyncio.run(main())
 
@@ -169,49 +169,44 @@ def test_the_deadline_ends_the_call_on_both_sides() -> None:
 def test_a_worker_that_goes_away_fails_its_calls_as_unavailable_and_a_new_stream_serves_it_back() -> None:
     async def main() -> None:
         recorder = Recorder()
-        async with worker(recorder) as (server, servicer, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            calls = [mux.call(pb.GenerateRequest(request_id=f"gated-{n}"), 10.0) for n in (2, 3)]
-            await until(lambda: len(recorder.started) == 2)
-            await server.stop(0)
-            for call in calls:
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await read_all(call)
-                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc.value) is None
-            await until(lambda: sorted(recorder.finished) == ["gated-2", "gated-3"])   # cancelled there, freed
-        async with worker(recorder, port) as (_, servicer, _):   # the worker is back on its address
-            recorder.gate.set()
-            async with asyncio.timeout(10):
-                while True:   # the channel reconnects within about a second
-                    try:
-                        assert await read_all(mux.call(pb.GenerateRequest(request_id="gated-2-again"), 10.0)) == [0, 1]
-                        break
-                    except grpc.aio.AioRpcError as exc:
-                        assert exc.code() == grpc.StatusCode.UNAVAILABLE
-                        await asyncio.sleep(0.1)
-            assert servicer.streams == 1
-            await mux.close()
-            await channel.close()
-
-    asyncio.run(main())
+        async with worker(recorder) as (server, _, port):
+            await server.stop(0)   # only its port is wanted: the worker below comes back on it
+        async with gateway_side(port) as mux:
+            async with worker(recorder, port) as (server, _, _):
+                calls = [mux.call(pb.GenerateRequest(request_id=f"gated-{n}"), 10.0) for n in (2, 3)]
+                await until(lambda: len(recorder.started) == 2)
+                await server.stop(0)
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await read_all(call)
+                    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and failure_kind(exc.value) is None
+                await until(lambda: sorted(recorder.finished) == ["gated-2", "gated-3"])   # cancelled there, freed
+            async with worker(recorder, port) as (_, servicer, _):   # the worker is back on its address
+                recorder.gate.set()
+                async with asyncio.timeout(10):
+                    while True:   # the channel reconnects within about a second
+                        try:
+                            assert await read_all(mux.call(pb.GenerateRequest(request_id="gated-2-again"), 10.0)) == [0, 1]
+                            break
+                        except grpc.aio.AioRpcError as exc:
+                            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                            await asyncio.sleep(0.1)
+                assert servicer.streams == 1
 
 
 def test_closing_the_stream_cancels_every_call_on_the_worker() -> None:
     async def main() -> None:
         recorder = Recorder()
         async with worker(recorder) as (_, _, port):
-            channel = open_channel(f"127.0.0.1:{port}", TOKEN)
-            mux = GenerateMux(pb_grpc.DecodeStub(channel))
-            calls = [mux.call(pb.GenerateRequest(request_id=f"hang-{n}"), 10.0) for n in range(3)]
-            await until(lambda: len(recorder.started) == 3)
-            await mux.close()   # the gateway stops (or drops the worker): as each call being cancelled
-            for call in calls:
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await read_all(call)
-                assert exc.value.code() == grpc.StatusCode.CANCELLED
-            await until(lambda: len(recorder.finished) == 3)
-            await channel.close()
+            async with gateway_side(port) as mux:
+                calls = [mux.call(pb.GenerateRequest(request_id=f"hang-{n}"), 10.0) for n in range(3)]
+                await until(lambda: len(recorder.started) == 3)
+                await mux.close()   # the gateway stops (or drops the worker): as each call being cancelled
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await read_all(call)
+                    assert exc.value.code() == grpc.StatusCode.CANCELLED
+                await until(lambda: len(recorder.finished) == 3)
 
     asyncio.run(main())
 
