@@ -41,20 +41,12 @@ from bench.harness.paths import RESULTS
 from bench.harness.report import finish_results, fmt, markdown_table, results_header, settings_json
 from bench.harness.servers import bench_process, free_port
 from launcher.processes import wait_serving
+from runtime.worker.runner import run_event_loop
 
 TOKEN_ENV = "EPD_BENCH_HOP_TOKEN"
 SERVICE = "bench.Hop"
 KINDS = ("grpc_call", "grpc_opened_call", "grpc_stream", "socket")
 _FRAME = struct.Struct("<I")
-
-
-def _run(main) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
 
 
 def events_for(events: int) -> list[bytes]:
@@ -117,7 +109,7 @@ def serve(grpc_port: int, socket_port: int, events: int) -> None:
         async with sockets:
             await server.wait_for_termination()
 
-    _run(main())
+    run_event_loop(main())
 
 
 # -- the client side -----------------------------------------------------------------------
@@ -248,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> None:
             samples.update(await measure(grpc_port, socket_port, token, args))
 
-        _run(run())
+        run_event_loop(run())
         elapsed = time.perf_counter() - started
     finally:
         child.stop()

@@ -15,7 +15,7 @@ def loop_module() -> str:
     async def main() -> None:
         seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
 
-    runner._run(main())
+    runner.run_event_loop(main())
     return seen[0]
 
 

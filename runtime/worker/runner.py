@@ -93,13 +93,13 @@ def run_worker(role: WorkerRole, argv: list[str]) -> int:
     setup_tracing(f"epd-{role.name}", settings.otlp_traces_endpoint)   # before any server or channel
     torch.set_grad_enabled(False)
     try:
-        _run(_serve(role, settings))
+        run_event_loop(_serve(role, settings))
     finally:
         shutdown_tracing()
     return 0
 
 
-def _run(main: Awaitable[None]) -> None:
+def run_event_loop(main: Awaitable[None]) -> None:
     """``main`` to its end on uvloop's event loop, or asyncio's where uvloop is not installed."""
     try:
         import uvloop
