@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
 import pytest
 from pydantic import SecretStr, ValidationError
 
 from gateway.settings import GatewaySettings
 from runtime.worker.discovery import WorkerRegistration
 from runtime.worker.internal_auth import (BULK_PREAMBLE_BYTES, bulk_preamble, bulk_preamble_ok, exposure_problem,
-                                   is_loopback, validate_token)
+                                   is_loopback, open_channel, server_interceptors, validate_token)
 from runtime.worker.peers import PeerDirectory, PeerRole, UnknownPeerError
 from runtime.worker.settings import WorkerSettings, parse_worker_args
 
@@ -85,6 +86,64 @@ def test_bulk_preamble_proves_the_token_and_only_that_token() -> None:
 
 
 # -- the peer directory -----------------------------------------------------------------------
+
+async def test_every_call_shape_carries_the_token_beside_the_callers_own_metadata() -> None:
+    """``open_channel``'s calls, of each of gRPC's four shapes, pass a token-checking server and still
+    carry the metadata the caller gave; the same calls without the token are refused."""
+    seen: list[dict[str, str]] = []
+
+    def note(context) -> bytes:
+        seen.append({k: v for k, v in context.invocation_metadata()})
+        return b"ok"
+
+    async def unary_unary(request, context):
+        return note(context)
+
+    async def unary_stream(request, context):
+        yield note(context)
+
+    async def stream_unary(requests, context):
+        async for _ in requests:
+            pass
+        return note(context)
+
+    async def stream_stream(requests, context):
+        async for _ in requests:
+            yield note(context)
+
+    shapes = {"UU": grpc.unary_unary_rpc_method_handler(unary_unary),
+              "US": grpc.unary_stream_rpc_method_handler(unary_stream),
+              "SU": grpc.stream_unary_rpc_method_handler(stream_unary),
+              "SS": grpc.stream_stream_rpc_method_handler(stream_stream)}
+    server = grpc.aio.server(interceptors=server_interceptors(SecretStr(TOKEN)))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", shapes),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+
+    async def each_shape(channel) -> list[bytes]:
+        mine = (("x-epd-test", "mine"),)
+        calls = [channel.unary_unary("/t.S/UU")(b"x", metadata=mine),
+                 channel.unary_stream("/t.S/US")(b"x", metadata=mine).read(),
+                 channel.stream_unary("/t.S/SU")(iter([b"x"]), metadata=mine)]
+        out = [await call for call in calls]
+        stream = channel.stream_stream("/t.S/SS")(metadata=mine)   # written by the caller, as GenerateMany is
+        await stream.write(b"x")
+        out.append(await stream.read())
+        await stream.done_writing()
+        return out
+
+    try:
+        async with open_channel(f"127.0.0.1:{port}", TOKEN) as channel:
+            assert await each_shape(channel) == [b"ok"] * 4
+        assert len(seen) == 4
+        assert all(md.get("authorization") == f"Bearer {TOKEN}" and md.get("x-epd-test") == "mine" for md in seen)
+        async with open_channel(f"127.0.0.1:{port}", None) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await each_shape(channel)
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(0)
+
 
 async def test_static_lists_vouch_for_their_addresses_only() -> None:
     peers = PeerDirectory({PeerRole.DECODE: ["10.0.0.1:50053"], PeerRole.ENCODER: ["10.0.0.3:50051"]}, None)
