@@ -56,3 +56,51 @@ def test_an_exception_reaches_the_caller_and_the_thread_goes_on():
 
     assert asyncio.run(main()) == 2.0
 
+
+
+def test_a_call_whose_caller_left_before_it_started_never_runs():
+    ran = []
+
+    async def main():
+        first = asyncio.ensure_future(torch_thread.run(time.sleep, 0.2))
+        await asyncio.sleep(0.05)   # the thread is busy with the first call
+        second = asyncio.ensure_future(torch_thread.run(ran.append, "second"))
+        await asyncio.sleep(0)
+        second.cancel()
+        await first
+        assert await torch_thread.run(lambda: "after") == "after"   # behind the skipped one, in order
+        return second.cancelled()
+
+    assert asyncio.run(main()) is True
+    assert ran == []
+
+
+def test_loops_in_two_threads_each_get_their_own_results():
+    """The one thread serves loops in two threads at once; each result is settled on its own caller's loop."""
+    results: dict[str, list[int]] = {}
+
+    def in_thread(name: str) -> None:
+        async def main():
+            return [await torch_thread.run(lambda i=i: (time.sleep(0.002), i)[1]) for i in range(20)]
+        results[name] = asyncio.run(main())
+
+    threads = [threading.Thread(target=in_thread, args=(f"t{k}",)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"t0": list(range(20)), "t1": list(range(20))}
+
+
+def test_the_handoff_benchmark_measures_both_kinds(tmp_path):
+    """``bench.torch_handoff`` runs end to end and reports each kind (no timing claim here)."""
+    import json
+
+    from bench import torch_handoff
+
+    out = tmp_path / "handoff.json"
+    assert torch_handoff.main(["--calls", "5", "--warmup", "1", "--gap-ms", "0", "--core", "", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == list(torch_handoff.KINDS)
+    assert all(row["us_p50"] > 0 for row in summary.values())
+    assert summary["torch_thread"]["over_torch_thread"] == 1.0
