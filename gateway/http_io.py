@@ -92,21 +92,21 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]  # always an async generator here
         streaming = asyncio.current_task()
         assert streaming is not None
-        left = asyncio.Event()
-        over = False
+        left = over = False
 
         async def watch() -> None:
+            nonlocal left
             while (await receive())["type"] != "http.disconnect":
                 pass
             if not over:   # the stream is parked at an await inside stream_response: the cancel lands there
-                left.set()
+                left = True
                 streaming.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch(), name="sse-disconnect-watch")
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not left.is_set():
+            if not left:
                 raise
             streaming.uncancel()   # the client left: nothing more to send, nothing to report
         finally:

@@ -230,4 +230,3 @@ def bulk_preamble_ok(received: bytes, token: SecretStr | None) -> bool:
     if token is None:
         return True
     return hmac.compare_digest(received, bulk_preamble(token))
-
