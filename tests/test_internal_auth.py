@@ -120,27 +120,30 @@ async def test_every_call_shape_carries_the_token_beside_the_callers_own_metadat
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
 
-    async def each_shape(channel) -> list[bytes]:
-        mine = (("x-epd-test", "mine"),)
-        calls = [channel.unary_unary("/t.S/UU")(b"x", metadata=mine),
-                 channel.unary_stream("/t.S/US")(b"x", metadata=mine).read(),
-                 channel.stream_unary("/t.S/SU")(iter([b"x"]), metadata=mine)]
-        out = [await call for call in calls]
-        stream = channel.stream_stream("/t.S/SS")(metadata=mine)   # written by the caller, as GenerateMany is
-        await stream.write(b"x")
-        out.append(await stream.read())
-        await stream.done_writing()
-        return out
+    mine = (("x-epd-test", "mine"),)
 
+    async def stream_stream_call(channel) -> bytes:   # written by the caller, as GenerateMany is
+        stream = channel.stream_stream("/t.S/SS")(metadata=mine)
+        await stream.write(b"x")
+        reply = await stream.read()
+        await stream.done_writing()
+        return reply
+
+    calls = [lambda ch: ch.unary_unary("/t.S/UU")(b"x", metadata=mine),
+             lambda ch: ch.unary_stream("/t.S/US")(b"x", metadata=mine).read(),
+             lambda ch: ch.stream_unary("/t.S/SU")(iter([b"x"]), metadata=mine),
+             stream_stream_call]
     try:
         async with open_channel(f"127.0.0.1:{port}", TOKEN) as channel:
-            assert await each_shape(channel) == [b"ok"] * 4
+            assert [await call(channel) for call in calls] == [b"ok"] * 4
         assert len(seen) == 4
         assert all(md.get("authorization") == f"Bearer {TOKEN}" and md.get("x-epd-test") == "mine" for md in seen)
         async with open_channel(f"127.0.0.1:{port}", None) as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await each_shape(channel)
-        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(channel)
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert len(seen) == 4
     finally:
         await server.stop(0)
 
