@@ -5,7 +5,7 @@ first (``ClientDisconnected``: the work is cancelled)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -42,22 +42,20 @@ class ClientDisconnected(Exception):
     """The client went away before its response; the work for it has been cancelled."""
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
     """Returns when the client goes away (the body has been read, so the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; should the client disconnect first, cancel it and raise ``ClientDisconnected``.
 
     Used while nothing has been sent yet (waiting for the first token, collecting a
-    non-streaming answer); once a stream has started, Starlette watches the connection.
+    non-streaming answer); once a stream has started, ``SSEResponse`` watches the connection.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -85,19 +83,13 @@ class SSEResponse(StreamingResponse):
     """
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
-        if scope["type"] != "http":
-            try:
-                return await super().__call__(scope, receive, send)
-            finally:
-                await self.body_iterator.aclose()  # type: ignore[union-attr]  # always an async generator here
         streaming = asyncio.current_task()
         assert streaming is not None
         left = over = False
 
         async def watch() -> None:
             nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await _wait_for_disconnect(receive)
             if not over:   # the stream is parked at an await inside stream_response: the cancel lands there
                 left = True
                 streaming.cancel()
@@ -112,6 +104,6 @@ class SSEResponse(StreamingResponse):
         finally:
             over = True
             watcher.cancel()
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            await self.body_iterator.aclose()  # type: ignore[union-attr]  # always an async generator here
         if self.background is not None:
             await self.background()

@@ -77,6 +77,8 @@ class _ModelThread:
         return call.future
 
     def _ensure_started(self) -> None:
+        if self._thread is not None:   # every call after the first: no lock
+            return
         with self._start:
             if self._thread is None:
                 self._wake_read, self._wake_write = os.pipe()
