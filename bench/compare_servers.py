@@ -77,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-requests", type=int, default=24, help="requests per server per round, bench model")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="runs per server, alternating which goes first")
+    p.add_argument("--blocks", type=int, default=None, metavar="N",
+                   help="--peer vllm: run each round as N blocks per server, the servers taking turns block by "
+                        "block (one at a time, each block new images); a round's numbers pool its blocks, so a "
+                        "slow minute of the host falls on both servers instead of on one server's round "
+                        "(default: each load's own, 8 for demo-c1, 1 for the others)")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="max_tokens (the demo model stops after its 3-word answer)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per server")

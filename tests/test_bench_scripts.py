@@ -365,7 +365,30 @@ def test_peer_targets_take_the_worse_round() -> None:
     assert goodput["worst"] == "inf" and goodput["met"] and json.dumps(goodput)
     rounds["epd"][0]["goodput_req_per_s"] = 0.0
     goodput = next(t for t in judge_targets(long, rounds) if t["metric"] == "goodput_req_per_s")
-    assert goodput["rounds"][0] is None and goodput["met"]
+    assert goodput["rounds"][0] is None and goodput["met"] and goodput["within"] == 1
+
+
+def test_peer_blocks_split_a_round_and_pool_it_back() -> None:
+    from bench.harness.runs import Run
+    from bench.peer_compare import LOADS, block_sizes, joined
+
+    assert block_sizes(256, 1) == [256] and block_sizes(10, 4) == [3, 3, 2, 2] and block_sizes(3, 8) == [1, 1, 1]
+    assert compare_servers.parse_args(["--peer", "vllm"]).blocks is None   # each load's own
+    assert LOADS["demo-c1"].blocks == 8 and LOADS["demo-c16"].blocks == 1
+    assert compare_servers.parse_args(["--peer", "vllm", "--blocks", "8"]).blocks == 8
+
+    def part(ttfts: list[float], duration: float, cpu: float) -> Run:
+        records = [RequestRecord(i, i, False, "a red circle", status=200, ok=True, ttft_s=t, e2e_s=t + 0.01,
+                                 output_tokens=2, text="a red circle", itl_s=[0.001]) for i, t in enumerate(ttfts)]
+        return Run("base", {"duration_s": duration, "ok": len(records)}, records, {"decode": cpu}, cpu / 2)
+
+    fast, slow = part([0.010, 0.012], 1.0, 0.5), part([0.020, 0.030, 0.040], 2.0, 1.0)
+    run = joined([fast, slow], "epd", 200, 50, True)
+    assert run.server == "epd" and len(run.records) == 5 and run.cpu_s == {"decode": 1.5}
+    assert run.report["duration_s"] == 3.0 and run.report["req_per_s"] == pytest.approx(5 / 3)
+    assert run.report["ttft_ms_p50"] == pytest.approx(20.0)   # the median of all five, not of the blocks'
+    one = part([0.010], 1.0, 0.1)
+    assert joined([one], "vllm", 200, 50, True) is one and one.server == "vllm"
 
 
 def test_peer_table_shows_answers_without_text() -> None:
