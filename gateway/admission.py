@@ -163,11 +163,11 @@ class GatewayAdmission:
         if admission.reason in ("ttft_deadline", "pipeline_backlog"):
             terms = {"estimated_ttft_ms": admission.estimated_ttft_ms, "estimated_queue_ms": admission.estimated_queue_ms,
                      "backlog_ms": admission.backlog_ms, "overrun_ms": admission.overrun_ms, "remaining_ms": remaining_ms}
+        wait_s = admission.retry_after_ms / 1000 if admission.retry_after_ms else float(admission.retry_after_s)
         if admission.reason == "pipeline_backlog":
             return AdmissionRefused(status, "request refused at admission: the pipeline backlog exceeds the TTFT "
-                                            "deadline", admission.retry_after_s, terms)
-        return AdmissionRefused(status, f"request refused at admission: {admission.reason}", admission.retry_after_s,
-                                terms)
+                                            "deadline", wait_s, terms)
+        return AdmissionRefused(status, f"request refused at admission: {admission.reason}", wait_s, terms)
 
     def admitted(self, admission: Admission, shape: RequestShape, arrival_s: float, breakdown: dict[str, float],
                  placed_on: WorkerHandle | None = None, request_id: str = "", prompt_tokens: int = 0) -> Ticket:

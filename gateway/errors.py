@@ -14,7 +14,7 @@ FastAPI/pydantic validation, adapter
 input errors)
 body over ``max_body_bytes``               413     invalid_request_error
 unknown route / method                     404/405 invalid_request_error
-``AdmissionRefused``                       429/503 rate_limit_error / server_overloaded (+ Retry-After)
+``AdmissionRefused``                       429/503 rate_limit_error / server_overloaded (+ Retry-After, retry-after-ms)
 ``DeadlineExceeded``                       504     timeout_error
 ``BackendFailure``                         502/503 server_error
 anything else (a bug)                      500     server_error, no internals
@@ -80,9 +80,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 # -- mapping of the backend's exceptions -------------------------------------------
-def retry_after_header(seconds: float) -> str:
-    """HTTP ``Retry-After`` is whole seconds; round up and never say 0 (that invites a retry storm)."""
-    return str(max(1, math.ceil(seconds)))
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """HTTP ``Retry-After`` is whole seconds: rounded up, never 0 (that invites a retry storm). The same
+    wait in milliseconds goes in ``retry-after-ms``, which the OpenAI SDKs read first, so a queue that
+    drains in 0.3 s is not waited out for a whole second."""
+    return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
 
 
 def from_exception(exc: BaseException) -> ApiError | None:
@@ -93,7 +95,7 @@ def from_exception(exc: BaseException) -> ApiError | None:
         kind = "rate_limit_error" if exc.status == 429 else "server_overloaded"
         return ApiError(
             exc.status, f"request refused: {exc.reason}", kind, None, "admission_refused",
-            {"Retry-After": retry_after_header(exc.retry_after_s)},
+            retry_after_headers(exc.retry_after_s),
         )
     if isinstance(exc, DeadlineExceeded):
         detail = f": {exc}" if str(exc) else ""

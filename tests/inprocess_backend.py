@@ -8,7 +8,8 @@ stays free (disconnects and deadlines are noticed while a step runs).
 
 Test hooks (set attributes, they apply to every later request):
 
-* ``refuse``: an ``AdmissionRefused`` raised before the first event;
+* ``refuse``: an ``AdmissionRefused`` raised before the first event (``refusals``: that many times,
+  then no more; ``None``: every time);
 * ``deadline_exceeded``: raise ``DeadlineExceeded`` before the first event;
 * ``hang_before_first``: never produce a first event (the gateway's own guard must fire);
 * ``fail_after_tokens``: raise ``BackendFailure`` after that many tokens;
@@ -76,6 +77,7 @@ class InProcessBackend:
         self._model_lock = threading.Lock()   # one model step at a time; also guards the pool
         # hooks
         self.refuse: AdmissionRefused | None = None
+        self.refusals: int | None = None
         self.deadline_exceeded = False
         self.hang_before_first = False
         self.fail_after_tokens: int | None = None
@@ -127,7 +129,12 @@ class InProcessBackend:
         if record:
             self.jobs.append(job)
         if self.refuse is not None:
-            raise self.refuse
+            refusal = self.refuse
+            if self.refusals is not None:
+                self.refusals -= 1
+                if self.refusals <= 0:
+                    self.refuse, self.refusals = None, None
+            raise refusal
         if self.deadline_exceeded or time.monotonic() > job.ttft_deadline_s:
             raise DeadlineExceeded("the first token cannot arrive before the deadline")
         with self._model_lock:

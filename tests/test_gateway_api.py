@@ -243,7 +243,7 @@ async def test_admission_refused_maps_to_status_with_retry_after(client, backend
     for stream in (False, True):
         r = await client.post("/v1/chat/completions", json=chat(text_messages(), stream=stream))
         assert r.status_code == status
-        assert r.headers["retry-after"] == "3"
+        assert r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2200"
         error = r.json()["error"]
         assert error["type"] == kind and error["code"] == "admission_refused"
         assert "prefill queue full" in error["message"]

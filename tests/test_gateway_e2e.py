@@ -82,6 +82,8 @@ def test_infeasible_deadline_is_refused_before_any_work(stack):
         "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is in the image?"}]}]})
     assert r.status_code == 429
     assert int(r.headers["retry-after"]) >= 1
+    # the same wait in milliseconds, which the OpenAI SDKs read first
+    assert 0 < int(r.headers["retry-after-ms"]) <= 1000 * int(r.headers["retry-after"])
     assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
     assert status(stack)["encoder"][0]["computes"] == before  # refused before the encoder ran
 

@@ -56,6 +56,7 @@ def server():
 def backend(server) -> InProcessBackend:
     _, backend, _ = server
     backend.refuse, backend.token_delay_s, backend.ignore_eos, backend.hang_before_first = None, 0.0, False, False
+    backend.refusals = None
     return backend
 
 
@@ -110,6 +111,20 @@ def test_ttft_breakdown_header_and_length_finish(client):
     assert completion.choices[0].finish_reason in ("length", "stop")
 
 
+def test_the_sdk_retries_a_refusal_after_the_servers_millisecond_wait(server, backend):
+    """A refusal names its wait in ``retry-after-ms`` too: the SDK, retrying, waits that (0.3 s) rather
+    than the whole second ``Retry-After`` rounds it up to, and the retry is served."""
+    base_url, _, _ = server
+    backend.refuse, backend.refusals = AdmissionRefused(429, "a queue that drains in 0.3 s", 0.3), 1
+    jobs = len(backend.jobs)
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=1, timeout=30) as retrying:
+        raw = retrying.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert raw.retries_taken == 1 and raw.parse().choices[0].finish_reason in ("length", "stop")
+    refused, served = backend.jobs[jobs:]   # refused once, then served
+    assert 0.3 <= served.arrival_s - refused.arrival_s < 0.9   # the 0.3 s asked for, not Retry-After's whole second
+
+
 def test_client_errors_surface_as_openai_exceptions(client, backend):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="not-served", messages=[{"role": "user", "content": "hi"}])
@@ -118,6 +133,7 @@ def test_client_errors_surface_as_openai_exceptions(client, backend):
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
     assert limited.value.response.headers["retry-after"] == "1"
+    assert limited.value.response.headers["retry-after-ms"] == "400"   # what the SDK waits, when it retries
 
 
 def _wait_for(predicate, timeout_s: float = 5.0) -> None:

@@ -15,7 +15,7 @@ from runtime.policy.loads import (
     RequestShape,
     StageLoads,
 )
-from runtime.policy.placement_policy import REASONS, admit, choose_placement, link_share
+from runtime.policy.placement_policy import MIN_RETRY_MS, REASONS, admit, choose_placement, link_share
 
 CM = CostModel()
 LONG = RequestShape(6000, 400)
@@ -204,14 +204,16 @@ def test_admit_refuses_a_missed_deadline_with_retry_after() -> None:
     assert not verdict.ok and verdict.decision is None
     assert verdict.reason == "ttft_deadline"
     assert verdict.retry_after_s == 4  # (4200 + 370 - 600) ms of queue must drain
+    assert verdict.retry_after_ms == pytest.approx(4200.0 + 370.0 - 600.0, abs=1.0)   # retry-after-ms: the wait itself
     assert verdict.estimated_ttft_ms == pytest.approx(4200.0 + 370.0, abs=1.0)   # the estimate it refused on
 
 
 def test_admit_refuses_without_decode_capacity() -> None:
     full = DecodeWorkerLoad("d0", running_seqs=32, free_slots=0, free_blocks=0, slot_wait_ms=300.0)
     verdict = admit(SHORT, loads(full), CM, "disaggregated", 600.0, 150.0)
-    assert (verdict.ok, verdict.reason, verdict.retry_after_s) == (False, "no_decode_capacity", 1)
-    assert admit(SHORT, StageLoads(decode=()), CM, "disaggregated", 600.0, 150.0).reason == "no_decode_workers"
+    assert (verdict.ok, verdict.reason, verdict.retry_after_s, verdict.retry_after_ms) == (False, "no_decode_capacity", 1, 300.0)
+    none = admit(SHORT, StageLoads(decode=()), CM, "disaggregated", 600.0, 150.0)
+    assert (none.reason, none.retry_after_s, none.retry_after_ms) == ("no_decode_workers", 1, 1000.0)
 
 
 def test_admit_refuses_what_the_pipeline_backlog_would_delay_past_the_deadline() -> None:
@@ -261,10 +263,12 @@ def test_the_margin_corrects_the_backlog_not_a_reported_queue() -> None:
     assert admit(SHORT, queued, CM, "colocated", ttft + 210.0, 150.0, pressure=more).ok
     late = admit(SHORT, queued, CM, "colocated", ttft + 190.0, 150.0, pressure=more)
     assert (late.ok, late.reason, late.retry_after_s) == (False, "pipeline_backlog", 1)   # 10 ms over: the least
+    assert late.retry_after_ms == MIN_RETRY_MS   # 10 ms: a retry that soon meets the same queue
     assert late.estimated_queue_ms == pytest.approx(900.0)   # in the refused request's record
     deep = Pressure(waiting=30, first_token_rate_per_s=10.0, overrun_ms=600.0)   # 3000 + 600: 2700 beyond the queue
     far = admit(SHORT, queued, CM, "colocated", ttft + 100.0, 150.0, pressure=deep)
     assert (far.reason, far.retry_after_s) == ("pipeline_backlog", 3)   # over by 2600 ms, not the whole 3600
+    assert far.retry_after_ms == pytest.approx(2600.0, abs=20.0)
     unreported = loads(busy(running=0))   # nothing reported: backlog and margin count whole
     ttft0 = admit(SHORT, unreported, CM, "colocated", 60_000.0, 150.0).decision.estimates["ttft_ms"]  # type: ignore[union-attr]
     assert not admit(SHORT, unreported, CM, "colocated", ttft0 + 790.0, 150.0, pressure=after_lag).ok

@@ -367,6 +367,8 @@ def test_a_refusal_on_time_carries_the_terms_admission_weighed() -> None:
     assert error.terms == {"estimated_ttft_ms": 1175.0, "estimated_queue_ms": 1044.0, "backlog_ms": 601.0,
                            "overrun_ms": 956.0, "remaining_ms": 1995.0}
     assert GatewayAdmission.refusal(Admission(False, None, "no_decode_capacity", 1), 1995.0).terms == {}
+    precise = Admission(False, None, "ttft_deadline", 1, retry_after_ms=250.0)   # the policy's wait, to the millisecond
+    assert GatewayAdmission.refusal(precise, 1995.0).retry_after_s == pytest.approx(0.25)
 
 
 def test_a_prompt_longer_than_a_chunk_is_priced_at_the_long_prompt_rate() -> None:

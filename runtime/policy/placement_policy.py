@@ -119,11 +119,12 @@ class Admission:
     ok: bool
     decision: PlacementDecision | None  # None when refused
     reason: str  # the decision's reason when admitted, else the refusal's
-    retry_after_s: int  # 0 when admitted, else >= 1
+    retry_after_s: int  # 0 when admitted, else >= 1 (HTTP ``Retry-After``: whole seconds)
     backlog_ms: float = 0.0  # the pressure's backlog the deadline check added
     overrun_ms: float = 0.0  # ... and its misprediction margin
     estimated_ttft_ms: float = 0.0  # refused on time (ttft_deadline, pipeline_backlog): the best placement's estimate
     estimated_queue_ms: float = 0.0  # ... and the reported queue it holds (``queue_ms``)
+    retry_after_ms: float = 0.0  # refused: the wait itself (``retry_wait_ms``; the ``retry-after-ms`` header)
 
 
 # ---- estimates --------------------------------------------------------------------
@@ -395,11 +396,27 @@ def _decision(
 # ---- admission --------------------------------------------------------------------
 
 
+MIN_RETRY_MS = 100.0   # the least wait a refusal names: a retry sooner would meet the same queue
+MAX_RETRY_MS = 60_000.0
+
+
 def retry_after_s(wait_ms: float) -> int:
     """Whole seconds a client should wait for ``wait_ms`` of queue to drain (>= 1)."""
     if not math.isfinite(wait_ms):
         return 60
     return max(1, math.ceil(wait_ms / 1000.0))
+
+
+def retry_wait_ms(wait_ms: float) -> float:
+    """The wait itself, for clients that read milliseconds (the OpenAI SDKs' ``retry-after-ms``): a queue
+    that drains in 0.2 s is not worth a whole second's wait. Between ``MIN_RETRY_MS`` and ``MAX_RETRY_MS``."""
+    if not math.isfinite(wait_ms):
+        return MAX_RETRY_MS
+    return min(MAX_RETRY_MS, max(MIN_RETRY_MS, wait_ms))
+
+
+def _refused(reason: str, wait_ms: float, **terms: float) -> Admission:
+    return Admission(False, None, reason, retry_after_s(wait_ms), retry_after_ms=retry_wait_ms(wait_ms), **terms)
 
 
 def admit(
@@ -438,25 +455,25 @@ def admit(
     estimates alone: the margin learnt in a burst is mostly queueing the backlog term missed,
     and refusals bring no first tokens to correct it, so a tight SLO right after a burst would
     otherwise refuse every request of an idle server until the window forgets.
-    ``retry_after_s`` is at least 1.
+    ``retry_after_s`` is at least 1; ``retry_after_ms`` is the wait itself (``retry_wait_ms``).
     """
     if not loads.decode:
-        return Admission(False, None, "no_decode_workers", retry_after_s(0.0))
+        return _refused("no_decode_workers", 1000.0)   # nothing drains: ask for the whole second
     decision = choose_placement(
         shape, loads, cost_model, mode, ttft_deadline_ms, itl_slo_ms,
         transfer_chunk_tokens=transfer_chunk_tokens, local_chunk_tokens=local_chunk_tokens,
     )
     if decision is None:
-        return Admission(False, None, "no_decode_capacity", retry_after_s(min(w.slot_wait_ms for w in loads.decode)))
+        return _refused("no_decode_capacity", min(w.slot_wait_ms for w in loads.decode))
     excess = decision.estimates["ttft_ms"] - ttft_deadline_ms
     if excess > 0:
-        return Admission(False, None, "ttft_deadline", retry_after_s(excess),
-                         estimated_ttft_ms=decision.estimates["ttft_ms"], estimated_queue_ms=decision.estimates["queue_ms"])
+        return _refused("ttft_deadline", excess, estimated_ttft_ms=decision.estimates["ttft_ms"],
+                        estimated_queue_ms=decision.estimates["queue_ms"])
     if pressure is None:
         return Admission(True, decision, decision.reason, 0)
     backlog, overrun = pressure.backlog_ms(), pressure.margin_ms()
     beyond = backlog + overrun - decision.estimates["queue_ms"]   # one wait, counted once (see the docstring)
     if excess + (beyond if beyond > 0.0 else 0.0) > 0:
-        return Admission(False, None, "pipeline_backlog", retry_after_s(excess + beyond), backlog, overrun,
-                         decision.estimates["ttft_ms"], decision.estimates["queue_ms"])
+        return _refused("pipeline_backlog", excess + beyond, backlog_ms=backlog, overrun_ms=overrun,
+                        estimated_ttft_ms=decision.estimates["ttft_ms"], estimated_queue_ms=decision.estimates["queue_ms"])
     return Admission(True, decision, decision.reason, 0, backlog, overrun)
