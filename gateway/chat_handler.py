@@ -43,6 +43,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from runtime.model.grammar import GrammarError
+from runtime.policy.placement_policy import retry_wait_ms
 
 from . import offload
 from .auth import effective_cache_salt, request_tenant
@@ -310,9 +311,9 @@ class ChatHandler(ChatReplies):
         miss the deadline (cheap, so an overloaded gateway spends little on what it refuses)."""
         ttft_slo_ms = self.slo(request, TTFT_HEADER, self.settings.ttft_slo_ms)
         wait_ms = self.backend.shed_estimate_ms() + hidden_wait_s * 1000
-        if wait_ms > ttft_slo_ms:
+        if wait_ms > ttft_slo_ms:   # retry once the excess has drained, as admission's refusals say
             raise AdmissionRefused(429, "request refused at admission: the pipeline backlog exceeds the TTFT deadline",
-                                   wait_ms / 1000.0)
+                                   retry_wait_ms(wait_ms - ttft_slo_ms) / 1000.0)
 
     def journal_end(self, request_id: str, job: ChatJob | None, generation: Generation | None, outcome: str,
                     status: int, refused: dict[str, float] | None = None) -> None:

@@ -262,6 +262,8 @@ async def test_a_lagging_gateway_loop_sheds_before_any_work(backend, prompts):
             r = await client.post("/v1/chat/completions", json=chat(text_messages()), headers={"x-ttft-slo-ms": "3000"})
             assert r.status_code == 429 and r.json()["error"]["code"] == "admission_refused"
             assert "backlog" in r.json()["error"]["message"]
+            # come back once the 2 s past the deadline have drained, not after the whole 5 s wait
+            assert (r.headers["retry-after"], r.headers["retry-after-ms"]) == ("2", "2000")
             await asyncio.sleep(0.3)          # the stall is over: what comes after it waited for nothing
             later = await client.post("/v1/chat/completions", json=chat(text_messages()), headers={"x-ttft-slo-ms": "3000"})
             assert later.status_code == 200
