@@ -171,6 +171,7 @@ def _one_round(args, load: Load, procs, bases, rnd: int, sizes: list[int], commo
     """Round ``rnd`` of ``load``: each server's runs, one per block, the servers taking turns."""
     parts: dict[str, list[Run]] = {n: [] for n in SERVERS}
     for block, size in enumerate(sizes):
+        first = sum(sizes[:block])   # a round's requests are numbered through its blocks
         # one block: the round's own seed, as before blocks existed; else each block its own new images
         seed = args.seed + rnd if len(sizes) == 1 else args.seed + BLOCK_SEEDS + 100 * rnd + block
         order = list(SERVERS) if (rnd + block) % 2 == 0 else list(reversed(SERVERS))
@@ -184,8 +185,8 @@ def _one_round(args, load: Load, procs, bases, rnd: int, sizes: list[int], commo
             before = sum(cpu_seconds(procs[other]).values())
             run = run_load(bases[name], load.model, procs[name], seed=seed, **{**common, "requests": size, "image_pool": size})
             idle_cpu[other].append(sum(cpu_seconds(procs[other]).values()) - before)
-            for record in run.records:   # a round's requests are numbered through its blocks
-                record.index += sum(sizes[:block])
+            for record in run.records:
+                record.index += first
             parts[name].append(run)
             rep = run.report
             where = f"round {rnd}" + (f" block {block}" if len(sizes) > 1 else "")
