@@ -40,13 +40,15 @@ def cache_hits(record: RequestRecord, seen_before: bool) -> int:
     return int(hit) if hit is not None else int(seen_before)
 
 
-def trace_from_records(records: list[RequestRecord], prompt_tokens: int, max_tokens: int) -> tuple[Arrival, ...]:
-    """The answered requests as simulator arrivals, at their real send times (one image each)."""
+def trace_from_records(records: list[RequestRecord], prompt_tokens: int, max_tokens: int,
+                       image_tokens: int) -> tuple[Arrival, ...]:
+    """The answered requests as simulator arrivals, at their real send times (one image each, of
+    ``image_tokens`` placeholder tokens, already counted in ``prompt_tokens``)."""
     rows, seen = [], set()
     for r in sorted(records, key=lambda r: r.start_s):
         if r.ok:
             rows.append((r.start_s * 1000.0, prompt_tokens, sampled_tokens(r.output_tokens, max_tokens), 1,
-                         cache_hits(r, r.image_index in seen)))
+                         cache_hits(r, r.image_index in seen), image_tokens))
         seen.add(r.image_index)
     return tuple(rows)
 
@@ -66,12 +68,13 @@ def sim_config(placement: str, service: ServiceTimes) -> SimConfig:
 
 
 def poisson_workload(rate: float, requests: int, prompt_tokens: int, outputs: list[int], hit_ratio: float,
-                     seed: int) -> Workload:
-    """Poisson at ``rate`` with the measured output-token mix and a pool-implied cache hit ratio."""
+                     seed: int, image_tokens: int) -> Workload:
+    """Poisson at ``rate`` with the measured output-token mix and a pool-implied cache hit ratio; each
+    prompt of ``prompt_tokens``, of them one image's ``image_tokens``."""
     counts = Counter(outputs)
     spec = "mix:" + ",".join(f"{v}@{n}" for v, n in sorted(counts.items()))
-    mix = RequestMix(prompt_tokens=fixed(prompt_tokens), output_tokens=parse_distribution(spec),
-                     images=fixed(1, minimum=0), image_tokens=0, cache_hit_ratio=hit_ratio)
+    mix = RequestMix(prompt_tokens=fixed(prompt_tokens - image_tokens), output_tokens=parse_distribution(spec),
+                     images=fixed(1, minimum=0), image_tokens=image_tokens, cache_hit_ratio=hit_ratio)
     return Workload(mix, rate=rate, requests=requests, seed=seed)
 
 
@@ -215,11 +218,13 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     config = sim_config(placement, service)
     idle = records_from(run["idle_records"])
     idle_measured = measured_metrics(idle, mt)
-    idle_trace = Workload(trace=trace_from_records(idle, prompt, mt))  # fresh images: every request a miss
+    image_tokens = run["image_tokens"]
+    idle_trace = Workload(trace=trace_from_records(idle, prompt, mt, image_tokens))  # fresh images: every request a miss
     idle_sim = simulate_run(config, idle_trace)
     idle_stages = breakdown_p50(idle)
     # what a miss costs the real request beyond the simulated encode (batching window, RPC, cache write)
-    miss_ms = max(0.0, idle_stages.get("encode_ms", 0.0) - CostModel(service).encode_ms(1) - service.encode_request_ms)
+    miss_ms = max(0.0, idle_stages.get("encode_ms", 0.0) - CostModel(service).encode_ms(image_tokens)
+                  - service.encode_request_ms)
     fixed_ms = idle_measured["ttft_ms_p50"] - idle_sim["ttft_ms_p50"] - miss_ms
     idle_doc = {"measured": idle_measured, "sim": idle_sim, "breakdown_p50": idle_stages}
     points = {load: _predict_load(point, run, config, idle_doc, fixed_ms, miss_ms) for load, point in run["loads"].items()}
@@ -227,7 +232,7 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "placement": placement, "service_times_file": run["service_times_file"], "service_times": service.to_dict(),
         "profile_tables": content.tables.to_dict(),
-        "prompt_tokens": prompt, "capacity_req_per_s": run["capacity_req_per_s"],
+        "prompt_tokens": prompt, "image_tokens": image_tokens, "capacity_req_per_s": run["capacity_req_per_s"],
         "idle": idle_doc, "fixed_term_ms": fixed_ms, "miss_term_ms": miss_ms, "loads": points,
     }
 
@@ -248,7 +253,7 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
     if config.service.host_cores:
         config = config.with_(service=config.service.replace(host_background_cores=point["host_background_cores"]))
     measured = measured_metrics(records, mt)
-    trace = Workload(trace=trace_from_records(records, prompt, mt))
+    trace = Workload(trace=trace_from_records(records, prompt, mt, run["image_tokens"]))
     raw = simulate_run(config, trace)
     # the stack's CPU per request, measured and as the simulator charges it (on a shared host)
     measured_cpu = sum(v for k, v in point["cpu_cores_used"].items() if k != "load_generator") \
@@ -257,8 +262,8 @@ def _predict_load(point: dict[str, Any], run: dict[str, Any], config: SimConfig,
     own_cores = _predict(config.with_(service=config.service.replace(host_cores=0)), trace, fixed_ms, miss_ms)
     outputs = [sampled_tokens(r.output_tokens, mt) for r in records if r.ok]
     pool_hit_ratio = 1.0 - min(pool, n) / n
-    poisson = _predict(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"]), fixed_ms,
-                       miss_ms)
+    poisson = _predict(config, poisson_workload(rate, n, prompt, outputs, pool_hit_ratio, point["seed"],
+                                                run["image_tokens"]), fixed_ms, miss_ms)
     hits = [cache_hits(r, False) for r in records if r.ok and r.ttft_breakdown]
     stages = breakdown_p50(records)
     ratio = ratios(predicted, measured)

@@ -28,7 +28,8 @@ measurements (on this shared box two runs of one load differ by more than the ta
 
 Mapping of the real run onto the simulator's request shape, stated once:
 
-- prompt tokens: ``usage.prompt_tokens`` (image tokens included, so ``image_tokens=0``);
+- prompt tokens: ``usage.prompt_tokens`` (image tokens included), and the image's placeholder tokens
+  (the unit an encode is priced in) as what the question alone lacks;
 - output tokens: the tokens the model sampled, the EOS included when the answer stopped
   before ``max_tokens`` (the EOS step holds the batch like any other; the client never
   sees it as a token);
@@ -85,15 +86,20 @@ CAPACITY_CONCURRENCY = 16
 
 
 
-async def prompt_token_count(base: str, seed: int) -> int:
-    """``usage.prompt_tokens`` of one bench-shaped request (an image and the question)."""
+async def prompt_token_count(base: str, seed: int) -> tuple[int, int]:
+    """``usage.prompt_tokens`` of one bench-shaped request (an image and the question), and of them the
+    image's placeholder tokens: what the same question without the image lacks (the demo family's
+    template adds nothing around an image but its placeholders)."""
     image = make_image_pool(1, seed)[0]
-    body = {"messages": make_messages(image, QUESTION), "max_tokens": 1, "temperature": 0.0}
+    counts = []
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-        body["model"] = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        r = await client.post(f"{base}/v1/chat/completions", json=body)
-        r.raise_for_status()
-        return int(r.json()["usage"]["prompt_tokens"])
+        model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        for messages in (make_messages(image, QUESTION), [{"role": "user", "content": QUESTION}]):
+            body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0}
+            r = await client.post(f"{base}/v1/chat/completions", json=body)
+            r.raise_for_status()
+            counts.append(int(r.json()["usage"]["prompt_tokens"]))
+    return counts[0], counts[0] - counts[1]
 
 
 async def bench(base: str, **config: Any) -> tuple[dict[str, Any], list[RequestRecord]]:
@@ -122,7 +128,7 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     mt = args.max_tokens
     await bench(base, requests=16, concurrency=4, image_pool=16, max_tokens=mt, seed=args.seed + 100)  # warm-up
     st.save(out_file, await profile(base, [0, 100, 400, 1000], [1, 4, 8], 2))
-    prompt = await prompt_token_count(base, args.seed + 200)
+    prompt, image_tokens = await prompt_token_count(base, args.seed + 200)
     _, idle = await bench(base, requests=args.idle_requests, concurrency=1, image_pool=args.idle_requests,
                           max_tokens=mt, seed=args.seed + 300)
     cap, _ = await bench(base, requests=160, concurrency=CAPACITY_CONCURRENCY, image_pool=160, max_tokens=mt,
@@ -133,7 +139,7 @@ async def _measure_async(placement: str, args: argparse.Namespace, base: str, se
     return {
         "placement": placement, "max_tokens": mt, "image_pool": args.image_pool,
         "service_times_file": str(out_file), "service_times_content": st.load(out_file).to_dict(),
-        "prompt_tokens": prompt, "capacity_req_per_s": cap["req_per_s"],
+        "prompt_tokens": prompt, "image_tokens": image_tokens, "capacity_req_per_s": cap["req_per_s"],
         "idle_records": [r.to_json() for r in idle], "loads": loads,
     }
 

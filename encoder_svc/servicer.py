@@ -162,7 +162,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return self.state.stats(
-            request, queue_depth=self.batcher.queue_depth,
+            request, queue_depth=self.batcher.queue_depth, queued_image_tokens=self.batcher.queued_image_tokens,
             in_flight=self.in_flight, computes=self.batcher.computes, cache_hits=self.cache_hits,
             max_batch=self.batcher.max_observed_batch, preprocess_digest=self.preprocess_digest,
             single_flight_in_flight=self.cache.in_flight,

@@ -54,6 +54,16 @@ class ImagePlan:
         return sum(self.cached)
 
     @property
+    def image_tokens(self) -> list[int]:
+        """Each image's placeholder tokens (at least one: the unit an encode is priced in)."""
+        return [max(1, r.placeholder_tokens) for r in self.refs]
+
+    @property
+    def cached_tokens(self) -> int:
+        """The placeholder tokens of the images known cached."""
+        return sum(t for t, c in zip(self.image_tokens, self.cached) if c)
+
+    @property
     def needs_encode(self) -> bool:
         return self.encoder is not None and self.n_cached < len(self.refs)
 
@@ -81,7 +91,7 @@ class EncoderStep:
         encode that arrives meanwhile in one tower call after it (``decode_svc/local_encode.py``). So the
         first request sent there while nothing is ahead adds a call (``CostModel.encode_ms``), the next
         one opens the call that waits behind it (another), and every later one while encodes are still
-        ahead joins that call with its per-image time alone (``CostModel.encode_added_ms``). Priced as
+        ahead joins that call with its images' per-token time alone (``CostModel.encode_added_ms``). Priced as
         whole calls one after another, a demo-model burst of 16 (a call 3.6 ms plus 0.36 ms an image on
         a 2-core host) looked like 64 ms of encodes where two calls take ~13: two went to the decode
         worker and 14 to the encoder, three RPCs each on the gateway's loop instead of one, and the
@@ -93,9 +103,9 @@ class EncoderStep:
             del self._encodes_end[worker]
             self._call_waiting.discard(worker)
         ahead_ms = max(0.0, self._encodes_end.get(decode_worker, now) - now) * 1000
-        n = len(plan.refs)
+        tokens = sum(plan.image_tokens)
         joins = ahead_ms > 0 and decode_worker in self._call_waiting
-        estimate = cost_model.encode_added_ms(n) if joins else cost_model.encode_ms(n)
+        estimate = cost_model.encode_added_ms(tokens) if joins else cost_model.encode_ms(tokens)
         if ahead_ms + estimate > self.colocated_encode_max_ms:
             return False
         self._encodes_end[decode_worker] = now + (ahead_ms + estimate) / 1000

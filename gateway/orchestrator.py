@@ -127,7 +127,8 @@ class Orchestrator:
         prefix = PrefixView.of(job, images.keys, self.registry.healthy("decode"))
         remaining_ms = (job.ttft_deadline_s - time.monotonic()) * 1000   # hashing and the cache check took some
         shape = RequestShape(prompt_tokens=len(job.token_ids), max_tokens=job.max_tokens,
-                             n_images=len(job.images), n_images_cached=images.n_cached, choices=job.sampling.n)
+                             n_images=len(job.images), n_images_cached=images.n_cached, choices=job.sampling.n,
+                             image_tokens=sum(images.image_tokens), image_tokens_cached=images.cached_tokens)
         with span("gateway.admission", **rid, **{"epd.remaining_ms": remaining_ms}) as s:
             admission = self.admission.admit(shape, self.registry, remaining_ms, job.itl_slo_ms, prefix)
             if s is not None:

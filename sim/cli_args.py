@@ -22,7 +22,8 @@ _SERVICE_FLAGS: dict[str, tuple[str, float, type, str]] = {
     "--link-setup-ms": ("link_setup_ms", 1.0, float, "KV transfer setup time (default 12)"),
     "--link-gib-s": ("link_bytes_per_s", GIB, float, "KV link bandwidth in GiB/s (default 22)"),
     "--encode-base-ms": ("encode_base_ms", 1.0, float, "fixed encoder cost per request with images (default 10)"),
-    "--encode-ms-per-image": ("encode_ms_per_image", 1.0, float, "encoder cost per image (default 40)"),
+    "--encode-ms-per-token": ("encode_ms_per_token", 1.0, float,
+                              "encoder cost per image token (default 0.15625: 40 ms for a 256-token image)"),
     "--encode-cache-hit-ms": ("encode_cache_hit_ms", 1.0, float, "cost of an encoder-cache hit (default 1)"),
     "--gateway-request-ms": ("gateway_request_ms", 1.0, float, "gateway CPU per request before its pipeline (default 0: no gateway stage)"),
     "--gateway-finish-ms": ("gateway_finish_ms", 1.0, float, "gateway CPU per request after it (default 0)"),
@@ -64,7 +65,8 @@ def add_mix_args(parser: argparse.ArgumentParser, *, prompt_default: str = "6000
     group.add_argument("--prompt-tokens", default=prompt_default, help=f"text tokens per prompt (default {prompt_default})")
     group.add_argument("--output-tokens", default=output_default, help=f"tokens generated per request (default {output_default})")
     group.add_argument("--images", default="0", help="images per request (default 0)")
-    group.add_argument("--image-tokens", type=int, default=256, help="prompt tokens per image (default 256)")
+    group.add_argument("--image-tokens", type=int, default=256,
+                       help="placeholder tokens per image: prompt tokens, and the encode's size (default 256)")
     group.add_argument("--cache-hit-ratio", type=float, default=0.0, help="encoder-cache hit chance per image (default 0)")
 
 

@@ -78,7 +78,7 @@ def mix_stats(inp: PlanInput, samples: int = 20000) -> MixStats:
         tokens_p90=tokens[int(0.9 * (n - 1))],
         output=sum(r[2] for r in rows) / n,
         images_encoded=sum(r[3] - r[4] for r in rows) / n,
-        encode_ms=sum(cm.encode_ms(r[3], r[4]) for r in rows) / n,
+        encode_ms=sum(cm.encode_ms((r[3] - r[4]) * r[5], r[4]) for r in rows) / n,
         prefill_ms=sum(cm.prefill_ms(r[1]) for r in rows) / n,
         transfer_ms=sum(cm.transfer_ms(cm.kv_bytes(r[1])) for r in rows) / n,
     )

@@ -17,7 +17,7 @@ from sim.workload import Arrival
 
 class SimRequest:
     __slots__ = (
-        "rid", "arrival", "tokens", "output", "images", "cached", "kv_need", "deadline", "decode_tokens",
+        "rid", "arrival", "tokens", "output", "images", "cached", "image_tokens", "kv_need", "deadline", "decode_tokens",
         "prefill_ms", "local_chunks", "chunk_i", "breach_base", "worker", "reserved", "prefill_done",
         "chunk_bytes", "chunks_ready", "chunks_sent", "flows", "landed", "resend_full", "attempts", "local",
         "t_first", "t_mark", "t_reserve", "t_send", "shape", "prefill_server", "kv_bytes", "t_admit", "model_ms", "ahead",
@@ -25,7 +25,7 @@ class SimRequest:
 
     def __init__(self, rid: int, spec: Arrival, ttft_slo_ms: float) -> None:
         self.rid = rid
-        self.arrival, self.tokens, self.output, self.images, self.cached = spec
+        self.arrival, self.tokens, self.output, self.images, self.cached, self.image_tokens = spec   # tokens per image
         self.kv_need = self.tokens + self.output
         self.deadline = self.arrival + ttft_slo_ms
         self.decode_tokens = self.output - 1  # the prefill makes the first token (local and remote)
@@ -42,10 +42,16 @@ class SimRequest:
         self.chunk_bytes: list[int] | None = None
         self.chunks_ready = self.chunks_sent = self.flows = self.landed = 0
         self.t_first = self.t_mark = self.t_reserve = self.t_send = 0.0
-        self.shape = _shape(self.tokens, self.output, self.images, self.cached)  # what placement sees
+        self.shape = _shape(self.tokens, self.output, self.images, self.cached, self.image_tokens)  # what placement sees
+
+    @property
+    def new_image_tokens(self) -> int:
+        """The placeholder tokens of its images to encode (those not in the encoder cache)."""
+        return (self.images - self.cached) * self.image_tokens
 
 
 @lru_cache(maxsize=4096)
-def _shape(tokens: int, output: int, images: int, cached: int) -> RequestShape:
+def _shape(tokens: int, output: int, images: int, cached: int, image_tokens: int) -> RequestShape:
     """Requests of one shape share one ``RequestShape`` (a read-only snapshot), built and validated once."""
-    return RequestShape(tokens, output, images, cached)
+    return RequestShape(tokens, output, images, cached, image_tokens=images * image_tokens,
+                        image_tokens_cached=cached * image_tokens)

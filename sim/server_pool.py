@@ -4,8 +4,9 @@ Lifecycle of a job: ``submit`` -> the server's queue -> ``on_start(req, now, ser
 -> ``service_ms`` later ``on_done(req, now, server)``. The caller picks the server
 (the simulator routes to the one with the least backlog, as the gateway would).
 Invariant: ``backlog_ms(now)`` is exactly the time until a job submitted now
-would start. A job may carry ``tokens`` (a prompt's), which ``report`` counts as a
-prefill worker counts its queued prompt tokens.
+would start. A job may carry ``tokens`` (a prompt's; an encoder's job, its images' placeholder
+tokens), which ``report`` counts as a prefill worker counts its queued prompt tokens (an encoder,
+its queued image tokens).
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ class Server:
         left = 0
         if self.busy and self._tokens and self._service_ms > 0.0:
             left = int(self._tokens * (self.busy_until - now) / self._service_ms + 0.999)
-        r.queued_prefill_tokens = self.queued_tokens + (left if left > 0 else 0)
+        tokens = self.queued_tokens + (left if left > 0 else 0)
+        if r.role is Role.ENCODER:
+            r.queued_image_tokens = tokens
+        else:
+            r.queued_prefill_tokens = tokens
         return r
 
     def submit(self, req: Any, service_ms: float, now: float, tokens: int = 0) -> None:

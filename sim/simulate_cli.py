@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument(
         "--trace", metavar="FILE",
-        help="replay a trace instead (JSON lines: t_s, prompt_tokens, output_tokens[, images, cached_images])",
+        help="replay a trace instead (JSON lines: t_s, prompt_tokens, output_tokens[, images, cached_images, image_tokens])",
     )
     add_mix_args(p)
     pools = p.add_argument_group("pools (colocated runs prefill + decode workers that do both)")

@@ -276,12 +276,12 @@ class Simulator:
     def _encode(self, req: SimRequest, now: float) -> None:
         """To the encoder when the request has images that cost encoder time, else straight to its placement."""
         if req.images and self.encoders.servers:
-            encode_ms = self.truth.encode_ms(req.images, req.cached)
+            encode_ms = self.truth.encode_ms(req.new_image_tokens, req.cached)
             if req.cached < req.images:
                 encode_ms += self.cfg.service.encode_request_ms
             if encode_ms > 0.0:  # all cache hits at 0 ms: the gateway never calls the encoder
                 req.t_mark = now
-                self.encoders.least_loaded(now).submit(req, encode_ms, now)
+                self.encoders.least_loaded(now).submit(req, encode_ms, now, req.new_image_tokens)
                 return
         self._start(req, now)
 

@@ -1,12 +1,14 @@
 """Simulated arrivals: Poisson at a rate, bursts at fixed times, or a trace file.
 
 An arrival is a plain tuple ``(t_ms, prompt_tokens, output_tokens, images,
-cached_images)``; ``prompt_tokens`` already includes ``images x image_tokens``.
+cached_images, image_tokens)``; ``image_tokens`` is each image's placeholder tokens (the
+unit an encode is priced in), and ``prompt_tokens`` already includes ``images x image_tokens``.
 ``Workload.arrivals()`` yields them in time order, lazily, so a million requests
 never sit in memory at once. Everything is a pure function of ``seed``.
 
 Trace files: JSON lines, one request per line, fields ``t_s``, ``prompt_tokens``,
-``output_tokens`` and optionally ``images`` and ``cached_images``.
+``output_tokens`` and optionally ``images``, ``cached_images`` and ``image_tokens`` (each image's; the
+load's ``image_tokens`` when absent).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from sim.distributions import Distribution, fixed
 
-Arrival = tuple[float, int, int, int, int]
+Arrival = tuple[float, int, int, int, int, int]
 
 
 class WorkloadError(ValueError):
@@ -30,8 +32,8 @@ class WorkloadError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class RequestMix:
-    """Per-request distributions; each image adds ``image_tokens`` prompt tokens and is an
-    encoder-cache hit with probability ``cache_hit_ratio``."""
+    """Per-request distributions; each image adds ``image_tokens`` prompt tokens (and is encoded as that
+    many) and is an encoder-cache hit with probability ``cache_hit_ratio``."""
 
     prompt_tokens: Distribution = field(default_factory=lambda: fixed(6000))
     output_tokens: Distribution = field(default_factory=lambda: fixed(400))
@@ -121,7 +123,7 @@ class Workload:
     def _request(self, t_ms: float, prompt: int, output: int, n_images: int, rng: random.Random) -> Arrival:
         hit = self.mix.cache_hit_ratio
         cached = sum(1 for _ in range(n_images) if rng.random() < hit) if n_images and hit else 0
-        return (t_ms, prompt + n_images * self.mix.image_tokens, output, n_images, cached)
+        return (t_ms, prompt + n_images * self.mix.image_tokens, output, n_images, cached, self.mix.image_tokens)
 
     def _poisson(self) -> Iterator[Arrival]:
         gaps = random.Random(f"epd-sim/{self.seed}/arrivals")
@@ -165,11 +167,12 @@ def load_trace(path: str | Path, image_tokens: int = 256) -> tuple[Arrival, ...]
         try:
             t, prompt, output = float(rec["t_s"]), int(rec["prompt_tokens"]), int(rec["output_tokens"])
             images, cached = int(rec.get("images") or 0), int(rec.get("cached_images") or 0)
+            each = int(rec.get("image_tokens", image_tokens))
         except (KeyError, TypeError, ValueError) as exc:
             raise WorkloadError(f"{path} row {n}: need t_s, prompt_tokens, output_tokens ({exc})") from None
-        if t < 0 or prompt < 1 or output < 1 or not 0 <= cached <= images:
+        if t < 0 or prompt < 1 or output < 1 or not 0 <= cached <= images or (images and each < 1):
             raise WorkloadError(f"{path} row {n}: out of range: {rec}")
-        rows.append((1000.0 * t, prompt + images * image_tokens, output, images, cached))
+        rows.append((1000.0 * t, prompt + images * each, output, images, cached, each))
     if not rows:
         raise WorkloadError(f"{path}: empty trace")
     rows.sort(key=lambda r: r[0])

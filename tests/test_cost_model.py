@@ -72,11 +72,13 @@ def test_chunk_overhead_is_paid_per_chunk() -> None:
 
 def test_encode_ms_counts_cache_hits_separately(cm: CostModel) -> None:
     assert cm.encode_ms(0) == 0.0
-    assert cm.encode_ms(2) == pytest.approx(10.0 + 2 * 40.0)
-    assert cm.encode_ms(2, 2) == pytest.approx(2 * 1.0)  # all hits: no encoder pass
-    assert cm.encode_ms(3, 1) == pytest.approx(1.0 + 10.0 + 2 * 40.0)
+    assert cm.encode_ms(512) == pytest.approx(10.0 + 2 * 40.0)   # two 256-token images: one call
+    assert cm.encode_ms(0, 2) == pytest.approx(2 * 1.0)  # all hits: no encoder pass
+    assert cm.encode_ms(512, 1) == pytest.approx(1.0 + 10.0 + 2 * 40.0)
+    assert cm.encode_added_ms(256) == pytest.approx(40.0)
+    assert cm.encode_queue_ms(2, 512) == pytest.approx(2 * 10.0 + 2 * 40.0) and cm.encode_queue_ms(0, 0) == 0.0
     with pytest.raises(ValueError):
-        cm.encode_ms(1, 2)
+        cm.encode_ms(-1)
 
 
 def test_transfer_with_a_share_of_the_link(cm: CostModel) -> None:
@@ -174,19 +176,22 @@ def test_file_round_trip(tmp_path) -> None:
     path = tmp_path / "st.json"
     st.save(path, content)
     data = json.loads(path.read_text())
-    assert data["format"] == "epd.service-times" and data["version"] == 1
+    assert data["format"] == "epd.service-times" and data["version"] == 2
     assert st.load(path) == content
 
 
 def test_file_errors_are_clear(tmp_path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"format": "epd.service-times", "version": 2}))
+    path.write_text(json.dumps({"format": "epd.service-times", "version": 3}))
     with pytest.raises(ServiceTimesError, match="version"):
         st.load(path)
-    path.write_text(json.dumps({"format": "epd.service-times", "version": 1, "params": {"bogus": 1}}))
+    path.write_text(json.dumps({"format": "epd.service-times", "version": 1, "params": {"encode_ms_per_image": 40}}))
+    with pytest.raises(ServiceTimesError, match="per image token.*epd profile"):   # encodes priced per image before
+        st.load(path)
+    path.write_text(json.dumps({"format": "epd.service-times", "version": 2, "params": {"bogus": 1}}))
     with pytest.raises(ServiceTimesError, match="bogus"):
         st.load(path)
-    path.write_text(json.dumps({"format": "epd.service-times", "version": 1, "tables": {"prefill": [[1, -2]]}}))
+    path.write_text(json.dumps({"format": "epd.service-times", "version": 2, "tables": {"prefill": [[1, -2]]}}))
     with pytest.raises(ServiceTimesError, match="prefill"):
         st.load(path)
     path.write_text("{not json")
@@ -202,7 +207,7 @@ def test_cost_model_fits_the_measured_tables(tmp_path) -> None:
         prefill=tuple((t, 10.0 + 0.05 * t) for t in (128, 512, 2048, 8192)),
         decode_step=tuple((b, 20.0 + 0.5 * b) for b in (1, 8, 16, 32)),
         transfer=((GIB, 8.0 + 1000 / 16), (2 * GIB, 8.0 + 2000 / 16)),
-        encode=((1, 50.0), (2, 80.0), (4, 140.0)),
+        encode=((64, 50.0), (128, 80.0), (256, 140.0)),
     )
     st.save(path, ServiceTimesFile(ServiceTimes(decode_slots=64), tables, "epd profile"))
     fitted = CostModel.from_file(path).service_times()
@@ -213,7 +218,7 @@ def test_cost_model_fits_the_measured_tables(tmp_path) -> None:
     assert fitted.link_setup_ms == pytest.approx(8.0)
     assert fitted.link_bytes_per_s == pytest.approx(16 * GIB, rel=1e-6)
     assert fitted.encode_base_ms == pytest.approx(20.0)
-    assert fitted.encode_ms_per_image == pytest.approx(30.0)
+    assert fitted.encode_ms_per_token == pytest.approx(30.0 / 64)
     assert fitted.decode_slots == 64  # not fitted: from params
 
 
@@ -299,5 +304,5 @@ def test_tables_are_fitted_on_their_medians_weighted_by_count() -> None:
     fitted = CostModel.from_tables(ServiceTimes(), MeasuredTables(decode_step=tuple(steps))).service_times()
     assert fitted.decode_step_base_ms + fitted.decode_step_ms_per_seq == pytest.approx(4.0)
     assert fitted.decode_step_base_ms + 8 * fitted.decode_step_ms_per_seq == pytest.approx(8.0)
-    one_size = CostModel.from_tables(ServiceTimes(), MeasuredTables(encode=((1.0, 4.0), (1.0, 5.0), (1.0, 30.0))))
-    assert one_size.encode_ms(1) == pytest.approx(5.0)  # enough points at one size: the level is refit, not the prior's
+    one_size = CostModel.from_tables(ServiceTimes(), MeasuredTables(encode=((16.0, 4.0), (16.0, 5.0), (16.0, 30.0))))
+    assert one_size.encode_ms(16) == pytest.approx(5.0)  # enough points at one size: the level is refit, not the prior's

@@ -31,3 +31,27 @@ def test_an_idle_encoder_starts_at_once_and_a_busy_one_batches(model):
 
     for got, want in zip(asyncio.run(run()), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_queue_and_each_batch_count_their_images_tokens(model):
+    """An encode is priced by its images' placeholder tokens: the queue reports the tokens waiting,
+    and each batch's timing sample is its tokens, not its image count."""
+    adapter = model[0]
+    images = [draw_shape(random.Random(k), size=48).image for k in range(3)]
+    each = adapter.image_tokens(48, 48)
+
+    async def run():
+        batcher = EncodeBatcher(adapter, window_ms=2000.0)
+        batcher.start()
+        try:
+            await batcher.encode(images[0])
+            waiting = [asyncio.ensure_future(batcher.encode(im)) for im in images[1:]]
+            await asyncio.sleep(0.05)   # in the window: both wait for the batch
+            assert (batcher.queue_depth, batcher.queued_image_tokens) == (2, 2 * each)
+            await asyncio.gather(*waiting)
+            assert (batcher.queue_depth, batcher.queued_image_tokens) == (0, 0)
+            return [(s.kind, s.size) for s in batcher.timings.since(0)]
+        finally:
+            await batcher.stop()
+
+    assert each > 1 and asyncio.run(run()) == [("encode", each), ("encode", 2 * each)]

@@ -34,9 +34,9 @@ def clock(monkeypatch) -> Clock:
     return clock
 
 
-def new_images(n: int = 1, cached: int = 0) -> ImagePlan:
+def new_images(n: int = 1, cached: int = 0, tokens: int = 256) -> ImagePlan:
     keys = [f"key-{i}" for i in range(n)]
-    return ImagePlan(keys, [pb.ImageRef(cache_key=k) for k in keys], [False] * n,
+    return ImagePlan(keys, [pb.ImageRef(cache_key=k, placeholder_tokens=tokens) for k in keys], [False] * n,
                      [i < cached for i in range(n)], encoder=object())
 
 
@@ -45,8 +45,8 @@ def step(max_ms: float) -> EncoderStep:
 
 
 def test_a_burst_goes_to_decode_until_its_encodes_would_stall_past_the_budget(clock):
-    costs = CostModel()                                                  # a call 10 ms, 40 ms an image
-    one, more = costs.encode_ms(1), costs.encode_added_ms(1)
+    costs = CostModel()                                                  # a call 10 ms, 40 ms a 256-token image
+    one, more = costs.encode_ms(256), costs.encode_added_ms(256)
     assert (one, more) == (50.0, 40.0)
     s = step(2 * one + more + 1)
     sent = [s.encode_on_decode(new_images(), costs, "decode-a") for _ in range(4)]
@@ -64,7 +64,7 @@ def test_a_burst_goes_to_decode_until_its_encodes_would_stall_past_the_budget(cl
 
 def test_a_request_whose_own_encode_is_over_the_budget_goes_to_the_encoder(clock):
     costs = CostModel()
-    s = step(1.5 * costs.encode_ms(1))
+    s = step(1.5 * costs.encode_ms(256))
     assert s.encode_on_decode(new_images(1), costs, "decode-a")
     clock.now += 60
     assert not s.encode_on_decode(new_images(4), costs, "decode-a")      # four images: over the budget alone
@@ -78,14 +78,22 @@ def test_cached_images_and_a_zero_budget_never_go_to_decode(clock):
 
 
 def test_a_burst_joins_the_waiting_tower_call_with_its_per_image_time(clock):
-    """The demo model's fit on a 2-core host: a tower call 3.6 ms plus 0.36 ms an image. A burst of 16
+    """The demo model's fit on a 2-core host: a tower call 3.6 ms plus 0.36 ms an image (of 16 tokens). A burst of 16
     arriving together: the first runs alone, the second opens the call that waits behind it, the other
     14 join that call: 2 x 3.96 + 14 x 0.36 = 12.96 ms, within the 15 ms default. Priced as 16 whole
     calls one after another (63 ms), three went to the decode worker and 13 to the encoder."""
-    costs = CostModel(prior=ServiceTimes(encode_base_ms=3.6, encode_ms_per_image=0.36))
+    costs = CostModel(prior=ServiceTimes(encode_base_ms=3.6, encode_ms_per_token=0.36 / 16))
     s = step(15.0)
-    sent = [s.encode_on_decode(new_images(), costs, "decode-a") for _ in range(16)]
+    sent = [s.encode_on_decode(new_images(tokens=16), costs, "decode-a") for _ in range(16)]
     assert sent == [True] * 16
     assert (s._encodes_end["decode-a"] - clock.now) * 1000 == pytest.approx(2 * 3.96 + 14 * 0.36)
-    assert costs.encode_added_ms(3) == pytest.approx(3 * 0.36)
-    assert step(15.0).encode_on_decode(new_images(), costs, "decode-a")
+    assert costs.encode_added_ms(3 * 16) == pytest.approx(3 * 0.36)
+    assert step(15.0).encode_on_decode(new_images(tokens=16), costs, "decode-a")
+
+
+def test_an_image_is_priced_by_its_tokens(clock):
+    """The same budget takes a small image to the decode worker and sends a large one to the encoder:
+    a 1344x1344 Qwen-VL image (2,304 tokens) is ~36x a 224x224 one's (64) tower work, not the same."""
+    costs = CostModel(prior=ServiceTimes(encode_base_ms=3.6, encode_ms_per_token=0.36 / 16))
+    assert step(15.0).encode_on_decode(new_images(tokens=64), costs, "decode-a")        # 5.0 ms
+    assert not step(15.0).encode_on_decode(new_images(tokens=2304), costs, "decode-a")  # 55.4 ms

@@ -171,11 +171,26 @@ def test_no_decode_capacity_returns_none() -> None:
 
 
 def test_encoder_wait_counts_toward_ttft() -> None:
-    shape = RequestShape(6000, 400, n_images=2, n_images_cached=1)
+    shape = RequestShape(6000, 400, n_images=2, n_images_cached=1, image_tokens=512, image_tokens_cached=256)
     state = StageLoads(decode=(busy(running=0),), prefill=(PrefillWorkerLoad("p0"),), encoder=EncoderLoad(50.0))
     decision = choose_placement(shape, state, CM, "colocated", 600.0, 150.0)
     assert decision is not None
-    assert decision.estimates["ttft_ms"] == pytest.approx(50.0 + CM.encode_ms(2, 1) + 230.0)
+    assert decision.estimates["ttft_ms"] == pytest.approx(50.0 + CM.encode_ms(256, 1) + 230.0)
+
+
+def test_an_encode_is_priced_by_its_images_tokens() -> None:
+    """A large image costs the tower its patches: one image of 2,304 tokens (a 1344x1344 Qwen-VL
+    image) is priced as nine of 256, not as one, and can miss a deadline a small one meets."""
+    small = RequestShape(600, 16, n_images=1, image_tokens=256)
+    large = RequestShape(2648, 16, n_images=1, image_tokens=2304)
+    state = StageLoads(decode=(busy(running=0),), encoder=EncoderLoad(0.0))
+    at = {s.image_tokens: choose_placement(s, state, CM, "colocated", 600.0, 150.0) for s in (small, large)}
+    encode = {t: d.estimates["ttft_ms"] - CM.prefill_ms(p) for (t, d), p in zip(at.items(), (600, 2648))}
+    assert encode[256] == pytest.approx(10.0 + 40.0) and encode[2304] == pytest.approx(10.0 + 9 * 40.0)
+    with pytest.raises(ValueError):
+        RequestShape(600, 16, n_images=2, image_tokens=1)     # every image has a token
+    with pytest.raises(ValueError):
+        RequestShape(600, 16, n_images=1, image_tokens=256, image_tokens_cached=300)
 
 
 def test_reasons_are_label_safe_and_known() -> None:

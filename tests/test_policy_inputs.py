@@ -37,8 +37,8 @@ SETTINGS = GatewaySettings.model_construct(**RECORDED["settings"])  # the record
 SHAPES = {
     "short_text": RequestShape(30, 16),
     "long_text": RequestShape(4000, 64),
-    "short_image": RequestShape(600, 16, n_images=1),
-    "long_images": RequestShape(5000, 64, n_images=2, n_images_cached=1),
+    "short_image": RequestShape(600, 16, n_images=1, image_tokens=576),
+    "long_images": RequestShape(5000, 64, n_images=2, n_images_cached=1, image_tokens=1152, image_tokens_cached=576),
 }
 BUDGETS = {"roomy": (5000.0, 1000.0), "tight_itl": (5000.0, 20.0), "tight_ttft": (120.0, 1000.0)}  # (TTFT left, ITL SLO)
 
@@ -190,14 +190,37 @@ def test_queues_charge_the_fixed_prefill_cost_once_per_request() -> None:
 
 
 def test_link_and_encoder_loads_from_the_snapshot() -> None:
-    workers = (WorkerReport(Role.ENCODER, "e0", queue_depth=3), WorkerReport(Role.ENCODER, "e1", queue_depth=1),
-               WorkerReport(Role.DECODE, "d"))
+    workers = (WorkerReport(Role.ENCODER, "e0", queue_depth=3, queued_image_tokens=48),
+               WorkerReport(Role.ENCODER, "e1", queue_depth=1, queued_image_tokens=16), WorkerReport(Role.DECODE, "d"))
     loads = stage_loads(StatsSnapshot(workers, kv_transfers=2, kv_bytes=5e6), RequestShape(10, 1), CM)
-    assert loads.encoder is not None and loads.encoder.queue_wait_ms == pytest.approx(CM.encode_ms(1))  # the shorter queue
+    assert loads.encoder is not None and loads.encoder.queue_wait_ms == pytest.approx(CM.encode_ms(16))  # the shorter queue
     assert (loads.link.active_transfers, loads.link.inflight_bytes, loads.link.queued_bytes) == (2, 5e6, 0.0)
     assert stage_loads(StatsSnapshot((WorkerReport(Role.DECODE, "d"),)), RequestShape(10, 1), CM).encoder is None
     alone = StatsSnapshot(workers, kv_transfers=1, kv_bytes=5e6).less_transfer(5e6)
     assert (alone.kv_transfers, alone.kv_bytes) == (0, 0.0)
+
+
+def test_an_encoder_queue_is_priced_by_its_images_tokens() -> None:
+    """One large image waiting is more work than one small one; requests this gateway placed there since
+    the report count at the queue's mean per image (or at this request's own when it reported none)."""
+    shape = RequestShape(700, 8, n_images=1, image_tokens=576)
+    small, large = (WorkerReport(Role.ENCODER, "e", queue_depth=1, queued_image_tokens=t) for t in (64, 2304))
+    wait = {w.queued_image_tokens: stage_loads(StatsSnapshot((w,)), shape, CM).encoder.queue_wait_ms for w in (small, large)}
+    assert wait[64] == pytest.approx(CM.encode_ms(64)) and wait[2304] == pytest.approx(CM.encode_ms(2304))
+    assert wait[2304] > wait[64]
+    placed = WorkerReport(Role.ENCODER, "e", queue_depth=1, queued_image_tokens=64, in_flight=3)
+    assert stage_loads(StatsSnapshot((placed,)), shape, CM).encoder.queue_wait_ms == pytest.approx(CM.encode_queue_ms(3, 192))
+    unreported = WorkerReport(Role.ENCODER, "e", in_flight=2)
+    assert stage_loads(StatsSnapshot((unreported,)), shape, CM).encoder.queue_wait_ms == pytest.approx(
+        CM.encode_queue_ms(2, 2 * 576))
+    assert worker_report("encoder", "e", pb.WorkerStats(queue_depth=1, queued_image_tokens=64), 0).queued_image_tokens == 64
+
+
+def test_images_inside_a_cached_prefix_leave_their_share_of_the_tokens() -> None:
+    shape = RequestShape(2000, 8, n_images=3, n_images_cached=1, image_tokens=1200, image_tokens_cached=400)
+    rest = shape.images_after(1)
+    assert (rest.n_images, rest.n_images_cached, rest.image_tokens, rest.image_tokens_cached) == (2, 1, 800, 400)
+    assert rest.new_image_tokens == 400 and shape.images_after(3).n_images == 0
     with pytest.raises(ValueError):
         WorkerReport(Role.DECODE, "d", running_seqs=-1)
 
@@ -206,7 +229,7 @@ def test_simulated_workers_report_as_real_ones_count() -> None:
     sim = simulator(CM, 150.0, decode_workers=1, prefill_workers=1, decode_kv_tokens=100_000)
     (decode,) = sim.decode
     assert decode.report().max_batch == CM.decode_slots and decode.report().free_blocks == 100_000
-    req = SimRequest(0, (0.0, 600, 10, 0, 0), 600.0)
+    req = SimRequest(0, (0.0, 600, 10, 0, 0, 0), 600.0)
     req.worker = decode
     req.prefill_ms, req.local_chunks = 10.0, [5.0, 5.0, 5.0]
     decode.claim_local(req)
@@ -214,7 +237,7 @@ def test_simulated_workers_report_as_real_ones_count() -> None:
     assert (r.running_seqs, r.queue_depth, r.in_flight, r.queued_prefill_tokens) == (0, 1, 1, 600)
     (prefill,) = sim.prefill.servers
     for rid, tokens in ((1, 300), (2, 200)):
-        queued = SimRequest(rid, (0.0, tokens, 5, 0, 0), 600.0)
+        queued = SimRequest(rid, (0.0, tokens, 5, 0, 0, 0), 600.0)
         queued.worker = decode
         prefill.submit(queued, 100.0, 0.0, tokens)
     p = prefill.report(50.0)  # half-way through the first: 150 of its tokens left, and the whole second
@@ -297,9 +320,9 @@ def test_queued_prompts_that_share_a_step_are_priced_as_one_step_and_a_burst_sta
     from runtime.policy.placement_policy import COLOCATED, choose_placement
 
     demo = CostModel(prior=CPU_PRIOR.replace(prefill_base_ms=8.4, prefill_ms_per_token=0.05, decode_step_base_ms=5.5,
-                                             decode_step_ms_per_seq=0.1, encode_base_ms=4.0, encode_ms_per_image=1.0,
+                                             decode_step_ms_per_seq=0.1, encode_base_ms=4.0, encode_ms_per_token=1 / 16,
                                              link_setup_ms=0.1))
-    shape = RequestShape(26, 16, n_images=1)
+    shape = RequestShape(26, 16, n_images=1, image_tokens=16)
     batched = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=3, queued_prefill_tokens=78,
                            queued_prompts=(26, 26, 26), step_prompt_tokens=2048)
     one_a_step = WorkerReport(Role.DECODE, "d", running_seqs=6, queue_depth=3, queued_prefill_tokens=78,

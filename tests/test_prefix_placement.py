@@ -18,8 +18,8 @@ from runtime.policy.worker_stats import Role, StatsSnapshot, WorkerReport, stage
 
 CM = CostModel(prior=ServiceTimes(prefill_base_ms=5.0, prefill_ms_per_token=0.5, prefill_ms_per_token2=1e-4,
                                   decode_step_base_ms=5.0, decode_step_ms_per_seq=0.5, encode_base_ms=20.0,
-                                  encode_ms_per_image=30.0))
-SHAPE = RequestShape(2000, 16, n_images=1)
+                                  encode_ms_per_token=30.0 / 576))
+SHAPE = RequestShape(2000, 16, n_images=1, image_tokens=576)
 
 
 def snapshot(cached: int, images: int = 0) -> StatsSnapshot:
@@ -68,4 +68,4 @@ def test_a_prefix_that_stops_inside_the_images_still_pays_their_encode():
     loads.encoder = EncoderLoad(0.0)
     decision = choose_placement(SHAPE, loads, CM, "colocated", 10_000.0, 1_000.0)
     assert decision.decode_worker == "d-warm"
-    assert decision.estimates["ttft_ms"] == pytest.approx(CM.encode_ms(1) + CM.suffix_prefill_ms(100, SHAPE.prompt_tokens))
+    assert decision.estimates["ttft_ms"] == pytest.approx(CM.encode_ms(576) + CM.suffix_prefill_ms(100, SHAPE.prompt_tokens))

@@ -46,8 +46,8 @@ def test_trace_keeps_answered_requests_in_send_order_with_measured_cache_hits():
         record(2, image=1, start_s=0.30, ok=False),
         record(3, image=1, start_s=0.40),  # no breakdown, image 1 was sent (by the failed one): a hit
     ]
-    trace = trace_from_records(records, prompt_tokens=26, max_tokens=8)
-    assert trace == ((100.0, 26, 4, 1, 0), (200.0, 26, 4, 1, 1), (400.0, 26, 4, 1, 1))
+    trace = trace_from_records(records, prompt_tokens=26, max_tokens=8, image_tokens=16)
+    assert trace == ((100.0, 26, 4, 1, 0, 16), (200.0, 26, 4, 1, 1, 16), (400.0, 26, 4, 1, 1, 16))
 
 
 @pytest.mark.parametrize("placement, prefill_workers", [("disaggregated", 1), ("colocated", 0)])
@@ -62,8 +62,8 @@ def test_sim_config_matches_what_epd_serve_starts(placement, prefill_workers):
 
 
 def test_poisson_workload_uses_the_measured_mix_and_the_pool_hit_ratio():
-    w = poisson_workload(12.5, 40, 26, [4, 4, 5], 0.75, seed=3)
-    assert (w.rate, w.total, w.mix.image_tokens, w.mix.cache_hit_ratio) == (12.5, 40, 0, 0.75)
+    w = poisson_workload(12.5, 40, 26, [4, 4, 5], 0.75, seed=3, image_tokens=16)
+    assert (w.rate, w.total, w.mix.image_tokens, w.mix.cache_hit_ratio) == (12.5, 40, 16, 0.75)
     arrivals = list(w.arrivals())
     assert {a[1] for a in arrivals} == {26} and {a[2] for a in arrivals} <= {4, 5} and {a[3] for a in arrivals} == {1}
 
@@ -84,9 +84,9 @@ def test_terms_add_the_miss_cost_only_to_requests_that_missed_the_cache():
 
 
 def test_simulated_idle_request_is_the_sum_of_its_stages():
-    service = ServiceTimes(encode_base_ms=4.0, encode_ms_per_image=1.0, prefill_base_ms=10.0, prefill_ms_per_token=0.0,
+    service = ServiceTimes(encode_base_ms=4.0, encode_ms_per_token=1 / 16, prefill_base_ms=10.0, prefill_ms_per_token=0.0,
                            decode_step_base_ms=5.0, link_setup_ms=1.0, kv_bytes_per_token=1)
-    trace = ((0.0, 26, 4, 1, 0), (1000.0, 26, 4, 1, 0))
+    trace = ((0.0, 26, 4, 1, 0, 16), (1000.0, 26, 4, 1, 0, 16))
     out = simulate_run(sim_config("disaggregated", service), Workload(trace=trace))
     with_terms_ = simulate_run(sim_config("disaggregated", service), Workload(trace=trace), 3.0, 2.0)
     assert with_terms_["ttft_ms_p50"] == pytest.approx(16.0 + 3.0 + 2.0, abs=0.1)  # both missed the cache
@@ -117,6 +117,7 @@ def test_ttft_split_by_cache_hit():
     records = [record(0, 0, 0.0, hits=1.0, ttft_s=0.01), record(1, 1, 0.1, hits=0.0, ttft_s=0.03),
                record(2, 2, 0.2, hits=0.0, ttft_s=0.05), record(3, 3, 0.3, ttft_s=0.9)]  # no breakdown: left out
     assert ttft_p50_by_cache(records) == {"hit": pytest.approx(10.0), "miss": pytest.approx(40.0)}
-    service = ServiceTimes(encode_base_ms=4.0, encode_ms_per_image=1.0, encode_cache_hit_ms=0.0)
-    out = simulate_run(sim_config("colocated", service), Workload(trace=((0.0, 26, 2, 1, 0), (500.0, 26, 2, 1, 1))))
+    service = ServiceTimes(encode_base_ms=4.0, encode_ms_per_token=1 / 16, encode_cache_hit_ms=0.0)
+    out = simulate_run(sim_config("colocated", service),
+                       Workload(trace=((0.0, 26, 2, 1, 0, 16), (500.0, 26, 2, 1, 1, 16))))
     assert out["ttft_ms_p50_by_cache"]["miss"] - out["ttft_ms_p50_by_cache"]["hit"] == pytest.approx(5.0)

@@ -34,7 +34,7 @@ def gaps(result: SimResult) -> dict[float, int]:
 
 
 def test_remote_request_on_an_idle_pipeline() -> None:
-    r = run("disaggregated", [(0.0, 6000, 400, 0, 0)])
+    r = run("disaggregated", [(0.0, 6000, 400, 0, 0, 0)])
     assert r.metrics.ttft_ms == [pytest.approx(REMOTE_TTFT)]
     assert gaps(r) == {45.0: 399}  # the first token at landing, then 399 steps of 45 ms
     assert r.horizon_ms == pytest.approx(REMOTE_TTFT + 399 * 45)
@@ -45,20 +45,20 @@ def test_remote_request_on_an_idle_pipeline() -> None:
 
 
 def test_chunked_transfer_overlaps_prefill() -> None:
-    r = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000)
+    r = run("disaggregated", [(0.0, 6000, 10, 0, 0, 0)], transfer="chunked", chunk_tokens=2000)
     assert r.metrics.ttft_ms == [pytest.approx(314.7 - 45, abs=0.1)]
 
 
 def test_colocated_request_on_an_idle_worker() -> None:
-    r = run("colocated", [(0.0, 6000, 400, 0, 0)])
+    r = run("colocated", [(0.0, 6000, 400, 0, 0, 0)])
     assert r.metrics.ttft_ms == [pytest.approx(230.0)]
     assert gaps(r) == {45.0: 399}
     assert summarize(r)["transferred_bytes"] == 0
 
 
 def test_one_token_answers() -> None:
-    assert run("colocated", [(0.0, 100, 1, 0, 0)]).metrics.good == 1
-    remote = run("disaggregated", [(0.0, 100, 1, 0, 0)])
+    assert run("colocated", [(0.0, 100, 1, 0, 0, 0)]).metrics.good == 1
+    remote = run("disaggregated", [(0.0, 100, 1, 0, 0, 0)])
     assert remote.metrics.good == 1
     assert remote.horizon_ms == pytest.approx(remote.metrics.ttft_ms[0])  # done at landing: no decode step
     assert remote.metrics.itl_hist == {}
@@ -66,7 +66,7 @@ def test_one_token_answers() -> None:
 
 def test_decode_step_grows_with_the_batch() -> None:
     service = ServiceTimes(decode_step_base_ms=20.0, decode_step_ms_per_seq=1.0)
-    r = run("disaggregated", [(0.0, 100, 50, 0, 0), (0.0, 100, 50, 0, 0)], service=service, decode_workers=1)
+    r = run("disaggregated", [(0.0, 100, 50, 0, 0, 0), (0.0, 100, 50, 0, 0, 0)], service=service, decode_workers=1)
     steps = gaps(r)
     assert steps[21.0] > 0 and steps[22.0] > 0  # alone: 20 + 1 ms; both running: 20 + 2 x 1 ms
     assert max(g for g, n in steps.items() if n > 1) == pytest.approx(22.0)  # (the other: a first gap)
@@ -75,7 +75,7 @@ def test_decode_step_grows_with_the_batch() -> None:
 def test_joins_wait_for_the_next_step_boundary() -> None:
     # the second request's KV lands mid-step: its first token goes out at landing; it joins at
     # the boundary, so its first gap is the rest of the running step plus one step
-    r = run("disaggregated", [(0.0, 100, 3, 0, 0), (20.0, 100, 3, 0, 0)], prefill_workers=2)
+    r = run("disaggregated", [(0.0, 100, 3, 0, 0, 0), (20.0, 100, 3, 0, 0, 0)], prefill_workers=2)
     first, second = r.metrics.ttft_ms
     landed = 20.0 + 20 + 0.035 * 100 + 12 + 100 * 320 * 1024 * 1000 / (22 * GIB)
     assert second == pytest.approx(landed - 20.0)
@@ -88,7 +88,7 @@ def test_joins_wait_for_the_next_step_boundary() -> None:
 
 
 def test_colocated_prefill_stalls_every_neighbour() -> None:
-    trace = [(0.0, 100, 300, 0, 0), (100.0, 100, 300, 0, 0), (3000.0, 6000, 10, 0, 0)]
+    trace = [(0.0, 100, 300, 0, 0, 0), (100.0, 100, 300, 0, 0, 0), (3000.0, 6000, 10, 0, 0, 0)]
     r = run("colocated", trace, prefill_workers=0)
     stalled = {g: n for g, n in gaps(r).items() if g > 150}
     assert stalled == {275.0: 2}  # 230 ms prefill + one step, once for each neighbour
@@ -96,7 +96,7 @@ def test_colocated_prefill_stalls_every_neighbour() -> None:
 
 
 def test_chunked_local_prefill_softens_the_stall() -> None:
-    trace = [(0.0, 100, 300, 0, 0), (100.0, 100, 300, 0, 0), (3000.0, 6000, 10, 0, 0)]
+    trace = [(0.0, 100, 300, 0, 0, 0), (100.0, 100, 300, 0, 0, 0), (3000.0, 6000, 10, 0, 0, 0)]
     r = run("colocated", trace, prefill_workers=0, chunked_prefill=True, local_chunk_tokens=2000)
     # the first chunk (20 ms fixed + 70) rides a 45 ms step: one forward, the fixed cost paid once
     assert max(gaps(r)) == pytest.approx(45 + 70.0)
@@ -106,7 +106,7 @@ def test_chunked_local_prefill_softens_the_stall() -> None:
 def test_a_colocated_chat_goes_before_a_queued_document_unless_a_deadline_is_at_risk() -> None:
     """The real decode worker's order (``decode_svc/prefill_order.py``): the shortest queued prompt
     next, but the earliest deadline first among prompts that could miss theirs if served last."""
-    trace = [(0.0, 6000, 10, 0, 0), (10.0, 6000, 10, 0, 0), (20.0, 100, 10, 0, 0)]
+    trace = [(0.0, 6000, 10, 0, 0, 0), (10.0, 6000, 10, 0, 0, 0), (20.0, 100, 10, 0, 0, 0)]
     # the first document (230 ms), one decode step (45), the chat (23.5), a step, the second document
     loose = run("colocated", trace, prefill_workers=0, ttft_slo_ms=5000.0)
     assert loose.metrics.ttft_ms == pytest.approx([230.0, 230 + 45 + 23.5 - 20, 230 + 45 + 23.5 + 45 + 230 - 10])
@@ -117,7 +117,7 @@ def test_a_colocated_chat_goes_before_a_queued_document_unless_a_deadline_is_at_
 
 def test_slot_limit_queues_reservations() -> None:
     service = ServiceTimes(decode_slots=2)
-    r = run("disaggregated", [(0.0, 100, 200, 0, 0)] * 3, service=service, prefill_workers=3)
+    r = run("disaggregated", [(0.0, 100, 200, 0, 0, 0)] * 3, service=service, prefill_workers=3)
     report = summarize(r, series=False)
     assert report["stage_wait_ms"]["kv_reservation"] > 0  # the third waits for a slot
     assert report["completed"] == 3
@@ -125,7 +125,7 @@ def test_slot_limit_queues_reservations() -> None:
 
 
 def test_link_is_a_fifo_resource_or_a_shared_pipe() -> None:
-    trace = [(0.0, 6000, 5, 0, 0), (0.0, 6000, 5, 0, 0)]
+    trace = [(0.0, 6000, 5, 0, 0, 0), (0.0, 6000, 5, 0, 0, 0)]
     payload = 6000 * 320 * 1024 * 1000 / (22 * GIB)
     fifo = run("disaggregated", trace, prefill_workers=2, decode_workers=2)
     first, second = 230 + 12 + payload, 230 + 12 + 2 * payload
@@ -137,11 +137,13 @@ def test_link_is_a_fifo_resource_or_a_shared_pipe() -> None:
 
 
 def test_encoder_stage_and_cache_hits() -> None:
-    cold = run("colocated", [(0.0, 1000, 5, 2, 0)])
-    warm = run("colocated", [(0.0, 1000, 5, 2, 2)])
+    cold = run("colocated", [(0.0, 1000, 5, 2, 0, 256)])
+    warm = run("colocated", [(0.0, 1000, 5, 2, 2, 256)])
+    large = run("colocated", [(0.0, 1000, 5, 1, 0, 1024)])   # one image of four times the tokens
     prefill = 20 + 0.035 * 1000
-    assert cold.metrics.ttft_ms == [pytest.approx(10 + 2 * 40 + prefill)]
+    assert cold.metrics.ttft_ms == [pytest.approx(10 + 2 * 40 + prefill)]   # 40 ms for a 256-token image
     assert warm.metrics.ttft_ms == [pytest.approx(2 * 1 + prefill)]
+    assert large.metrics.ttft_ms == [pytest.approx(10 + 4 * 40 + prefill)]
 
 
 # ---- failures ------------------------------------------------------------------------
@@ -321,9 +323,11 @@ def test_bursts_and_traces(tmp_path) -> None:
     with pytest.raises(WorkloadError):
         Burst.parse("30")
     path = tmp_path / "trace.jsonl"
-    rows = [{"t_s": 1.0, "prompt_tokens": 100, "output_tokens": 5}, {"t_s": 0.5, "prompt_tokens": 50, "output_tokens": 3, "images": 1}]
+    rows = [{"t_s": 1.0, "prompt_tokens": 100, "output_tokens": 5}, {"t_s": 0.5, "prompt_tokens": 50, "output_tokens": 3, "images": 1},
+            {"t_s": 2.0, "prompt_tokens": 50, "output_tokens": 3, "images": 2, "image_tokens": 64}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert load_trace(path, image_tokens=10) == ((500.0, 60, 3, 1, 0), (1000.0, 100, 5, 0, 0))
+    assert load_trace(path, image_tokens=10) == ((500.0, 60, 3, 1, 0, 10), (1000.0, 100, 5, 0, 0, 10),
+                                                 (2000.0, 178, 3, 2, 0, 64))
     with pytest.raises(WorkloadError):
         load_trace(tmp_path / "none.jsonl")
 
@@ -443,12 +447,12 @@ def test_a_shared_host_reports_its_busy_share_over_the_polls_window() -> None:
 
 def test_every_worker_of_a_shared_host_simulation_reports_the_host_as_a_real_one_does() -> None:
     sim = Simulator(SimConfig(placement="conditional", prefill_workers=1, decode_workers=1,
-                              service=ServiceTimes(host_cores=2)), Workload(trace=((0.0, 10, 1, 0, 0),)))
+                              service=ServiceTimes(host_cores=2)), Workload(trace=((0.0, 10, 1, 0, 0, 0),)))
     snap = sim.snapshot(600.0)
     assert {(r.host_id, r.cpus) for r in snap.workers} == {("sim-host", (0, 1))}
     assert all(0.0 <= r.cpus_busy <= 1.0 for r in snap.workers)
     own = Simulator(SimConfig(placement="conditional", prefill_workers=1, decode_workers=1),
-                    Workload(trace=((0.0, 10, 1, 0, 0),)))
+                    Workload(trace=((0.0, 10, 1, 0, 0, 0),)))
     assert {(r.host_id, r.cpus) for r in own.snapshot(600.0).workers} == {("", ())}   # a processor each: nothing shared
 
 
@@ -460,7 +464,7 @@ def _host(cores: int, **service: float) -> ServiceTimes:
 def test_two_busy_stages_share_too_few_cores(cores: int, expected: list[float]) -> None:
     # two colocated workers each prefill a 100 ms prompt at t=0 (one-token answers: TTFT = prefill)
     service = _host(cores, prefill_base_ms=100.0, prefill_ms_per_token=0.0)
-    r = run("colocated", [(0.0, 10, 1, 0, 0), (0.0, 10, 1, 0, 0)], service=service)
+    r = run("colocated", [(0.0, 10, 1, 0, 0, 0), (0.0, 10, 1, 0, 0, 0)], service=service)
     assert sorted(r.metrics.ttft_ms) == pytest.approx(expected)
 
 
@@ -468,7 +472,7 @@ def test_decode_steps_on_one_shared_core_take_twice_as_long() -> None:
     # two decode workers stepping at once on one core: each runs at half speed, so every
     # plain gap is two steps long; with two cores (or none shared) it is one step
     service = dict(prefill_base_ms=10.0, prefill_ms_per_token=0.0, decode_step_base_ms=5.0)
-    trace = [(0.0, 10, 40, 0, 0), (0.0, 10, 40, 0, 0)]
+    trace = [(0.0, 10, 40, 0, 0, 0), (0.0, 10, 40, 0, 0, 0)]
     shared = gaps(run("colocated", trace, service=_host(1, **service)))
     assert max(shared, key=shared.get) == pytest.approx(10.0)
     # a core's worth of other work next to the two stepping workers on 2 cores: as random pieces
@@ -494,19 +498,19 @@ def test_ample_cores_change_nothing() -> None:
 
 def test_gateway_stage_is_one_event_loop_before_the_pipeline() -> None:
     service = ServiceTimes(gateway_request_ms=3.0, gateway_finish_ms=2.0)
-    r = run("colocated", [(0.0, 100, 1, 0, 0), (0.0, 100, 1, 0, 0)], service=service, decode_workers=2)
+    r = run("colocated", [(0.0, 100, 1, 0, 0, 0), (0.0, 100, 1, 0, 0, 0)], service=service, decode_workers=2)
     prefill = 20 + 0.035 * 100
     assert sorted(r.metrics.ttft_ms) == pytest.approx([3.0 + prefill, 6.0 + prefill])  # one loop: the second waits
     report = summarize(r, series=False)
     assert report["stage_wait_ms"]["gateway"] == pytest.approx(1.5)
     assert report["idle_fraction"]["gateway"] == pytest.approx(1 - (2 * 3 + 2 * 2) / r.horizon_ms, abs=1e-3)
-    plain = summarize(run("colocated", [(0.0, 100, 1, 0, 0)]), series=False)
+    plain = summarize(run("colocated", [(0.0, 100, 1, 0, 0, 0)]), series=False)
     assert "gateway" not in plain["idle_fraction"] and "gateway" not in plain["stage_wait_ms"]
 
 
 def test_encoder_cache_hits_at_zero_cost_skip_the_encoder() -> None:
     service = ServiceTimes(encode_cache_hit_ms=0.0)
-    r = run("colocated", [(0.0, 100, 1, 1, 1), (0.0, 100, 1, 1, 1)], service=service, decode_workers=2)
+    r = run("colocated", [(0.0, 100, 1, 1, 1, 16), (0.0, 100, 1, 1, 1, 16)], service=service, decode_workers=2)
     assert r.metrics.ttft_ms == [pytest.approx(20 + 3.5)] * 2
     assert r.busy_ms["encoder"] == 0.0
 
@@ -543,12 +547,12 @@ def test_profile_counts_the_cores_other_work_keeps_busy() -> None:
 
 def test_per_request_cpu_of_encoder_and_prefill_lengthens_their_stages() -> None:
     prefill = 20 + 0.035 * 100
-    service = ServiceTimes(encode_base_ms=0.0, encode_ms_per_image=3.0, encode_cache_hit_ms=0.5, encode_request_ms=2.0)
-    r = run("colocated", [(0.0, 100, 1, 1, 0), (1000.0, 100, 1, 1, 1), (2000.0, 100, 1, 0, 0)], service=service)
+    service = ServiceTimes(encode_base_ms=0.0, encode_ms_per_token=3.0 / 16, encode_cache_hit_ms=0.5, encode_request_ms=2.0)
+    r = run("colocated", [(0.0, 100, 1, 1, 0, 16), (1000.0, 100, 1, 1, 1, 16), (2000.0, 100, 1, 0, 0, 0)], service=service)
     assert r.metrics.ttft_ms == pytest.approx([3.0 + 2.0 + prefill, 0.5 + prefill, prefill])  # miss, hit, no image
     remote = ServiceTimes(prefill_request_ms=5.0)
-    plain = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000)
-    slower = run("disaggregated", [(0.0, 6000, 10, 0, 0)], transfer="chunked", chunk_tokens=2000, service=remote)
+    plain = run("disaggregated", [(0.0, 6000, 10, 0, 0, 0)], transfer="chunked", chunk_tokens=2000)
+    slower = run("disaggregated", [(0.0, 6000, 10, 0, 0, 0)], transfer="chunked", chunk_tokens=2000, service=remote)
     assert slower.metrics.ttft_ms[0] == pytest.approx(plain.metrics.ttft_ms[0] + 5.0)
 
 
@@ -565,18 +569,18 @@ def test_profile_overhead_is_cpu_beyond_the_timed_work_less_the_idle_rate() -> N
 def test_decode_workers_own_work_per_request_delays_its_first_token_not_the_batch() -> None:
     # a 3-token remote answer on an idle worker: the worker's own 4 ms (reserve, KV receive and
     # insert) runs beside the step loop after the KV lands, then the first token, then two 45 ms steps
-    plain = run("disaggregated", [(0.0, 100, 3, 0, 0)])
-    own = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
+    plain = run("disaggregated", [(0.0, 100, 3, 0, 0, 0)])
+    own = run("disaggregated", [(0.0, 100, 3, 0, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
     assert own.metrics.ttft_ms == pytest.approx([plain.metrics.ttft_ms[0] + 4.0])
     assert gaps(own) == {45.0: 2}
     assert own.horizon_ms == pytest.approx(plain.horizon_ms + 4.0)
     # a resident's gaps do not grow by a joiner's work (the joiner's own first gap still waits for a step boundary)
-    trace = [(0.0, 100, 40, 0, 0), (100.0, 100, 40, 0, 0)]
+    trace = [(0.0, 100, 40, 0, 0, 0), (100.0, 100, 40, 0, 0, 0)]
     two = run("disaggregated", trace, prefill_workers=2, service=ServiceTimes(decode_request_ms=4.0))
     assert gaps(two)[45.0] == gaps(run("disaggregated", trace, prefill_workers=2))[45.0] == 77
-    local = run("colocated", [(0.0, 100, 1, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
+    local = run("colocated", [(0.0, 100, 1, 0, 0, 0)], service=ServiceTimes(decode_request_ms=4.0))
     assert local.metrics.ttft_ms == [pytest.approx(4.0 + 20 + 3.5)]  # colocated: before the local prefill
-    shared = run("disaggregated", [(0.0, 100, 3, 0, 0)], service=ServiceTimes(decode_request_ms=4.0, host_cores=1))
+    shared = run("disaggregated", [(0.0, 100, 3, 0, 0, 0)], service=ServiceTimes(decode_request_ms=4.0, host_cores=1))
     assert gaps(shared) == {45.0: 2}  # alone on the host: no stretch
     assert shared.metrics.ttft_ms == pytest.approx(own.metrics.ttft_ms)
 
@@ -596,7 +600,7 @@ def test_profile_splits_the_decode_workers_untimed_cpu_into_request_and_step_sha
 def test_the_decode_steps_untimed_work_is_the_hosts_not_the_steps():
     # a 3-token remote answer: the prefill's token, then two 45 ms steps. Each step's 5 ms of
     # untimed work runs beside it: on one shared core the pair takes 50 ms, on two 45
-    trace = [(0.0, 100, 3, 0, 0)]
+    trace = [(0.0, 100, 3, 0, 0, 0)]
     for cores, longer in ((0, 0.0), (2, 0.0), (1, 2 * 5.0)):
         plain = run("disaggregated", trace, service=ServiceTimes(host_cores=cores))
         extra = run("disaggregated", trace, service=ServiceTimes(host_cores=cores, decode_step_extra_ms=5.0))
@@ -607,7 +611,7 @@ def test_the_decode_steps_untimed_work_is_the_hosts_not_the_steps():
 def test_a_colocated_request_claims_its_slot_before_its_own_work() -> None:
     # two 1-slot workers, two requests at once: while the first's own work (embedding fetch)
     # runs, its worker must already show no free slot, so the second goes to the other worker
-    trace = [(0.0, 100, 3, 0, 0), (0.0, 100, 3, 0, 0)]
+    trace = [(0.0, 100, 3, 0, 0, 0), (0.0, 100, 3, 0, 0, 0)]
     r = run("colocated", trace, prefill_workers=0, decode_workers=2,
             service=ServiceTimes(decode_slots=1, decode_request_ms=10.0))
     assert r.metrics.ttft_ms == [pytest.approx(10.0 + 20 + 3.5)] * 2

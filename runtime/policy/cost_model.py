@@ -6,7 +6,7 @@ prefill, KV size and transfer, decode step, encode) from four fits (``runtime.po
     prefill_ms(tokens)    = a_p + b_p x tokens + c_p x tokens^2   (c_p: attention; 0 in the chapter)
     decode_step_ms(batch) = a_d + b_d x batch
     transfer_ms(bytes)    = a_t + b_t x bytes        (a_t: link setup, 1 / b_t: bandwidth)
-    encode_ms(images)     = a_e + b_e x images_encoded
+    encode_ms(tokens)     = a_e + b_e x image_tokens   (the placeholder tokens of the images a call encodes)
 
 Prefill is defined per request: ``prefill_ms(tokens)`` is one prompt's whole
 prefill on an idle worker, however many passes (chunks) it takes, so ``a_p`` is
@@ -66,7 +66,7 @@ class CostModel:
         self.transfer = LinearFit(
             p.link_setup_ms, 1000.0 / p.link_bytes_per_s, window=window, min_points=min_points, positive_slope=True
         )
-        self.encode = LinearFit(p.encode_base_ms, p.encode_ms_per_image, window=window, min_points=min_points)
+        self.encode = LinearFit(p.encode_base_ms, p.encode_ms_per_token, window=window, min_points=min_points)
 
     @classmethod
     def from_file(cls, path: str | Path, *, window: int = 256, min_points: int = 2) -> CostModel:
@@ -108,12 +108,12 @@ class CostModel:
         """One KV transfer of ``nbytes`` took ``ms`` end to end (setup included)."""
         return self.transfer.observe(nbytes, ms)
 
-    def observe_encode(self, n_images: int, ms: float) -> bool:
-        """The encoder encoded ``n_images`` (cache misses only) in ``ms``."""
-        if n_images < 1:
+    def observe_encode(self, image_tokens: int, ms: float) -> bool:
+        """One tower call encoded images of ``image_tokens`` placeholder tokens in all (cache misses only) in ``ms``."""
+        if image_tokens < 1:
             self.encode.rejected += 1
             return False
-        return self.encode.observe(n_images, ms)
+        return self.encode.observe(image_tokens, ms)
 
     def service_times(self) -> ServiceTimes:
         """The current coefficients as a ``ServiceTimes`` (non-fitted fields from the prior)."""
@@ -127,7 +127,7 @@ class CostModel:
             link_setup_ms=self.transfer.intercept,
             link_bytes_per_s=1000.0 / self.transfer.slope,
             encode_base_ms=self.encode.intercept,
-            encode_ms_per_image=self.encode.slope,
+            encode_ms_per_token=self.encode.slope,
         )
 
     def calibration(self) -> dict[str, dict[str, float | int | bool]]:
@@ -242,17 +242,25 @@ class CostModel:
         """One decode step over ``batch`` running sequences (>= 1)."""
         return self.decode_step.intercept + self.decode_step.slope * (batch if batch > 1 else 1)
 
-    def encode_ms(self, n_images: int, n_cached: int = 0) -> float:
-        """Encoder time for a request's images, ``n_cached`` of them encoder-cache hits."""
-        if n_cached < 0 or n_cached > n_images:
-            raise ValueError(f"need 0 <= n_cached <= n_images, got {n_cached} of {n_images}")
-        new = n_images - n_cached
+    def encode_ms(self, new_tokens: int, n_cached: int = 0) -> float:
+        """Encoder time for a request's images: one tower call over the new ones (``new_tokens``
+        placeholder tokens in all; 0: none to encode), and ``n_cached`` encoder-cache hits."""
+        if new_tokens < 0 or n_cached < 0:
+            raise ValueError(f"need new_tokens >= 0 and n_cached >= 0, got {new_tokens} and {n_cached}")
         hits = self._prior.encode_cache_hit_ms * n_cached
-        return hits + (self.encode.intercept + self.encode.slope * new if new else 0.0)
+        return hits + (self.encode.intercept + self.encode.slope * new_tokens if new_tokens else 0.0)
 
-    def encode_added_ms(self, n_images: int) -> float:
-        """What ``n_images`` new images add to a tower call that encodes others too: their per-image time alone."""
-        return max(0.0, self.encode.slope) * n_images
+    def encode_added_ms(self, new_tokens: int) -> float:
+        """What images of ``new_tokens`` placeholder tokens add to a tower call that encodes others too:
+        their per-token time alone."""
+        return max(0.0, self.encode.slope) * new_tokens
+
+    def encode_queue_ms(self, images: int, tokens: int) -> float:
+        """An encoder's queue of ``images`` waiting images, ``tokens`` placeholder tokens in all, each
+        image priced as a call of its own (a bound: a batch shares one call's fixed cost)."""
+        if images <= 0:
+            return 0.0
+        return self.encode.intercept * images + max(0.0, self.encode.slope) * tokens
 
     def remote_ttft_ms(self, tokens: int, chunk_tokens: int | None = None, batch: int = 1) -> float:
         """Idle-pipeline TTFT of remote prefill: prefill + transfer (+ overlap) + one decode step."""

@@ -16,6 +16,10 @@ class RequestShape:
     """What placement needs to know about one request.
 
     ``prompt_tokens`` counts every token prefill processes (image tokens included).
+    ``image_tokens`` is the images' placeholder tokens in all, the unit an encode is priced
+    in (the vision tower's work grows with an image's patches, and so with its tokens: a
+    1024x1024 Qwen-VL image is ~20x a 224x224 one); ``image_tokens_cached``, those of the
+    images the encoder cache holds. Every image has at least one token.
     """
 
     prompt_tokens: int
@@ -23,6 +27,8 @@ class RequestShape:
     n_images: int = 0
     n_images_cached: int = 0
     choices: int = 1          # n: completions sharing the prompt's KV (each its own output blocks)
+    image_tokens: int = 0
+    image_tokens_cached: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -33,6 +39,26 @@ class RequestShape:
             raise ValueError(f"choices must be >= 1, got {self.choices}")
         if not 0 <= self.n_images_cached <= self.n_images:
             raise ValueError(f"need 0 <= n_images_cached <= n_images, got {self.n_images_cached}/{self.n_images}")
+        if self.image_tokens < self.n_images or (self.image_tokens and not self.n_images):
+            raise ValueError(f"{self.n_images} images need image_tokens of at least one each, got {self.image_tokens}")
+        if not 0 <= self.image_tokens_cached <= self.image_tokens:
+            raise ValueError(f"need 0 <= image_tokens_cached <= image_tokens, got {self.image_tokens_cached}/{self.image_tokens}")
+
+    @property
+    def new_image_tokens(self) -> int:
+        """The placeholder tokens of the images to encode (not in the encoder cache)."""
+        return self.image_tokens - self.image_tokens_cached
+
+    def images_after(self, skipped: int) -> RequestShape:
+        """This shape with its first ``skipped`` images left out of the encode (a decode worker's cached
+        prefix holds them). The images are not told apart, so the rest keep their share of the tokens
+        and of the cache hits."""
+        rest = self.n_images - skipped
+        if rest <= 0:
+            return RequestShape(self.prompt_tokens, self.max_tokens, choices=self.choices)
+        tokens = self.image_tokens * rest // self.n_images
+        return RequestShape(self.prompt_tokens, self.max_tokens, rest, min(self.n_images_cached, rest), self.choices,
+                            tokens, min(self.image_tokens_cached, tokens))
 
 
 @dataclass(slots=True)

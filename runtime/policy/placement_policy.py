@@ -153,7 +153,7 @@ def has_capacity(shape: RequestShape, worker: DecodeWorkerLoad) -> bool:
 def estimate_encode_ms(shape: RequestShape, encoder: EncoderLoad | None, cm: CostModel) -> float:
     if encoder is None or shape.n_images == 0:
         return 0.0
-    return encoder.queue_wait_ms + cm.encode_ms(shape.n_images, shape.n_images_cached)
+    return encoder.queue_wait_ms + cm.encode_ms(shape.new_image_tokens, shape.n_images_cached)
 
 
 def link_share(nbytes: float, link: LinkLoad) -> float:
@@ -283,9 +283,7 @@ def _best_local(
         start = w.queue_wait_ms + (w.slot_wait_ms if w.free_slots < shape.choices else 0.0)
         enc = encode_ms
         if cached and w.cached_images:
-            rest = shape.n_images - w.cached_images
-            enc = 0.0 if encoder is None or rest <= 0 else estimate_encode_ms(
-                RequestShape(full, shape.max_tokens, rest, min(shape.n_images_cached, rest)), encoder, cm)
+            enc = 0.0 if encoder is None else estimate_encode_ms(shape.images_after(w.cached_images), encoder, cm)
         if enc > start:
             start = enc
         n = w.running_seqs

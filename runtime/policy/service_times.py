@@ -3,20 +3,22 @@
 The defaults are the design chapter's worked example: ``prefill_ms = 20 +
 0.035 x tokens``, a 45 ms decode step with 32 slots, 320 KiB of KV per token and
 a KV link of 12 ms setup plus 22 GiB/s. The encoder defaults are assumptions (the
-chapter gives none); measure them with ``epd profile``.
+chapter gives none: 10 ms a call plus 40 ms for an image of 256 placeholder tokens);
+measure them with ``epd profile``. An encode is priced by the images' placeholder tokens,
+not per image: the tower's work grows with an image's patches.
 
 File format (``--service-times FILE``; ``epd profile`` writes it)::
 
     {
       "format": "epd.service-times",
-      "version": 1,
+      "version": 2,
       "source": "free text: what produced this file",
       "params": {"prefill_base_ms": 20.0, ...},        # any subset of ServiceTimes fields
       "tables": {                                        # optional measured points [x, ms]
         "prefill":     [[tokens, ms], ...],
         "decode_step": [[batch_size, ms], ...],
         "transfer":    [[bytes, ms], ...],
-        "encode":      [[images_encoded, ms], ...]
+        "encode":      [[image_tokens_encoded, ms], ...]   # one tower call each
       }
     }
 
@@ -24,6 +26,8 @@ File format (``--service-times FILE``; ``epd profile`` writes it)::
 ``tables`` are raw measurements: ``runtime.policy.cost_model.CostModel.from_file`` fits
 the linear coefficients to them (falling back to ``params`` where a table is too
 small or degenerate). This module only parses and writes; it does no fitting.
+Version 1 files priced an encode per image (``encode_ms_per_image``, tables of images):
+they are refused, with a hint to profile again.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "epd.service-times"
-VERSION = 1
+VERSION = 2
 TABLE_NAMES = ("prefill", "decode_step", "transfer", "encode")
 
 KIB = 1024
@@ -56,8 +60,10 @@ class ServiceTimes:
     decode_step_ms(batch)  = decode_step_base_ms + decode_step_ms_per_seq x batch
     kv_bytes(tokens)       = kv_bytes_per_token x tokens
     transfer_ms(bytes)     = link_setup_ms + 1000 x bytes / link_bytes_per_s
-    encode_ms(new, cached) = encode_base_ms + encode_ms_per_image x new
-                             + encode_cache_hit_ms x cached   (0 when no images)
+    encode_ms(new, cached) = encode_base_ms + encode_ms_per_token x new
+                             + encode_cache_hit_ms x cached   (0 when no images;
+                             new: the placeholder tokens of the images to encode,
+                             cached: the images the encoder cache holds)
 
     The gateway, per-request CPU and the host (0, the defaults, leave them out of the model):
     gateway_request_ms     = the gateway's CPU per request before its pipeline starts
@@ -97,7 +103,7 @@ class ServiceTimes:
     link_setup_ms: float = 12.0
     link_bytes_per_s: float = 22.0 * GIB
     encode_base_ms: float = 10.0
-    encode_ms_per_image: float = 40.0
+    encode_ms_per_token: float = 40.0 / 256
     encode_cache_hit_ms: float = 1.0
     gateway_request_ms: float = 0.0
     gateway_finish_ms: float = 0.0
@@ -148,7 +154,7 @@ Point = tuple[float, float]
 
 @dataclass(slots=True, frozen=True)
 class MeasuredTables:
-    """Raw (x, ms) measurements per stage; x is tokens, batch size, bytes or images."""
+    """Raw (x, ms) measurements per stage; x is tokens, batch size, bytes or image tokens."""
 
     prefill: tuple[Point, ...] = ()
     decode_step: tuple[Point, ...] = ()
@@ -204,6 +210,9 @@ def parse(data: dict[str, Any]) -> ServiceTimesFile:
         raise ServiceTimesError("a service-time file must hold a JSON object")
     if data.get("format") != FORMAT:
         raise ServiceTimesError(f"format must be {FORMAT!r}, got {data.get('format')!r}")
+    if data.get("version") == 1:
+        raise ServiceTimesError("version 1 priced encodes per image; this build prices them per image token "
+                                f"(version {VERSION}): run `epd profile` again")
     if data.get("version") != VERSION:
         raise ServiceTimesError(f"unsupported version {data.get('version')!r}; this build reads version {VERSION}")
     unknown = set(data) - {"format", "version", "source", "params", "tables"}

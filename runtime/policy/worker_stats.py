@@ -30,7 +30,10 @@ decision. Every estimate made here uses only these fields and the cost model:
   ``max_tokens`` (the only output length the policy knows): ``k x max_tokens / (running + 1)`` steps;
 - the KV link: the remote requests the caller has admitted that have no first token yet
   (``kv_transfers``, ``kv_bytes``), all sharing the link with a new transfer;
-- the encoder pool: the least-loaded encoder's queue, one image's encode per entry;
+- the encoder pool: the least-loaded encoder's queue, each waiting image priced as a call of its
+  own over its placeholder tokens (``queued_image_tokens``); where the caller's own requests there
+  outnumber the reported queue (placed since the last poll), the extra ones are priced at the
+  queue's mean tokens per image, or at this request's when the queue is empty;
 - a decode worker's prefix cache: ``cached_prefix_tokens`` of this request's prompt that it
   holds as cached KV (the gateway reads it from the worker's reported summary,
   ``gateway/prefix_routing.py``; the simulator has no prefix cache and reports 0) and
@@ -74,6 +77,7 @@ class WorkerReport:
     running_seqs: int = 0  # decode: sequences in the running batch
     queue_depth: int = 0  # work accepted, not running: prompts (prefill), reservations not yet in the batch (decode)
     queued_prefill_tokens: int = 0  # prompt tokens still to prefill there
+    queued_image_tokens: int = 0  # encoder: the placeholder tokens of the images waiting there
     queued_prompts: tuple[int, ...] = ()  # decode: each colocated prompt's share of them, when it serves
     # the least remaining first (empty: every queued token is ahead of a new prompt)
     step_prompt_tokens: int = 0  # decode: prompt tokens one step may carry now (0: not reported, one prompt a step)
@@ -97,7 +101,8 @@ class WorkerReport:
         self.queued_prompts = tuple(self.queued_prompts)   # from_dict hands a list
         self.placed_prompts = tuple(self.placed_prompts)
         self.cpus = tuple(self.cpus)
-        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.step_prompt_tokens,
+        if min(self.running_seqs, self.queue_depth, self.queued_prefill_tokens, self.queued_image_tokens,
+               self.step_prompt_tokens,
                self.step_long_prompt_tokens,
                self.max_batch, self.in_flight,
                self.cached_prefix_tokens, self.cached_images, *self.queued_prompts, *self.placed_prompts) < 0:
@@ -136,7 +141,7 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel,
     the chunk a colocated prompt is prefilled in (None: unchunked, every prompt drains as a short one)."""
     decode: list[DecodeWorkerLoad] = []
     prefill: list[PrefillWorkerLoad] = []
-    encoder_queue: int | None = None
+    encoder_queue: tuple[int, int] | None = None   # the least-loaded encoder's waiting (images, tokens)
     for w in snapshot.workers:
         pending = w.queue_depth if w.queue_depth > w.in_flight else w.in_flight
         if w.role is Role.DECODE:
@@ -151,11 +156,22 @@ def stage_loads(snapshot: StatsSnapshot, shape: RequestShape, cm: CostModel,
             else:
                 queue_ms = cm.queued_prefill_ms(w.queued_prefill_tokens, pending)
             prefill.append(PrefillWorkerLoad(w.address, queue_ms, shared, apart))
-        elif encoder_queue is None or pending < encoder_queue:
-            encoder_queue = pending
-    encoder = None if encoder_queue is None else EncoderLoad(encoder_queue * cm.encode_ms(1) if encoder_queue else 0.0)
+        elif encoder_queue is None or pending < encoder_queue[0]:
+            encoder_queue = (pending, encoder_queue_tokens(w, pending, shape))
+    encoder = None if encoder_queue is None else EncoderLoad(cm.encode_queue_ms(*encoder_queue))
     link = LinkLoad(snapshot.kv_transfers, snapshot.kv_bytes) if snapshot.kv_transfers else LinkLoad()
     return StageLoads(tuple(decode), tuple(prefill), link, encoder)
+
+
+def encoder_queue_tokens(w: WorkerReport, pending: int, shape: RequestShape) -> int:
+    """The placeholder tokens of the ``pending`` images waiting at encoder ``w``: those it reports, and
+    any more the caller placed there since, at the reported queue's mean (or ``shape``'s) per image."""
+    extra = pending - w.queue_depth
+    if extra <= 0:
+        return w.queued_image_tokens
+    if w.queue_depth:
+        return w.queued_image_tokens + extra * w.queued_image_tokens // w.queue_depth
+    return extra * (shape.image_tokens // shape.n_images if shape.n_images else 1)
 
 
 def shares_cores(a: WorkerReport, b: WorkerReport) -> bool:
