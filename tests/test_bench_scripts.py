@@ -515,3 +515,27 @@ def test_epd_ab_reads_each_stacks_settings_and_counts_the_rounds_b_won():
     assert "| 16 " in epd_ab.table({1: s})
     long = epd_ab.parse_args(["--long-fraction", "0.5", "--ttft-slo-ms", "20000", "--itl-slo-ms", "2000"])
     assert (long.long_fraction, long.long_prompt_words, long.ttft_slo_ms, long.itl_slo_ms) == (0.5, 400, 20000.0, 2000.0)
+
+
+def test_encode_pricing_compares_both_units_on_later_rounds() -> None:
+    """On calls whose time is 2 ms plus 0.1 ms a token, the per-token fit predicts every size and the
+    per-image fit (one level for all) over-prices the small image and under-prices the large one."""
+    from bench.encode_pricing import compare
+
+    rows = [(r, side, tokens, 2.0 + 0.1 * tokens) for r in range(4) for side, tokens in ((64, 16), (512, 1024))]
+    out = compare(rows, rounds=4)
+    assert out["64"]["per_token_over_measured"] == pytest.approx(1.0)
+    assert out["512"]["per_token_over_measured"] == pytest.approx(1.0)
+    assert out["64"]["per_image_over_measured"] > 10 and out["512"]["per_image_over_measured"] < 0.6
+    assert out["fits"]["per_token_ms_per_token"] == pytest.approx(0.1)
+
+
+def test_encode_pricing_builds_a_wider_tower_that_takes_large_images(tmp_path: Path) -> None:
+    from bench.encode_pricing import build_model
+    from runtime.model.model_adapter import VLMAdapter
+
+    path = build_model(tmp_path / "qwen2-vl", width=128, depth=1)
+    vision = json.loads((path / "config.json").read_text())["vision_config"]
+    assert (vision["embed_dim"], vision["num_heads"], vision["depth"]) == (128, 2, 1)
+    adapter = VLMAdapter.load(path)
+    assert [adapter.image_tokens(s, s) for s in (64, 512)] == [16, 1024]   # the pixel cap raised to 512x512

@@ -87,7 +87,8 @@ def build_image_processor(family: QwenFamily) -> Qwen2VLImageProcessorPil:
                                     min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **mean_std)
 
 
-def build_config(family: QwenFamily, tokenizer: Qwen2Tokenizer):
+def build_config(family: QwenFamily, tokenizer: Qwen2Tokenizer, vision_overrides: dict | None = None):
+    """The family's tiny config; ``vision_overrides`` replace vision-config fields (a benchmark's wider tower)."""
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
@@ -100,17 +101,20 @@ def build_config(family: QwenFamily, tokenizer: Qwen2Tokenizer):
     if family == QwenFamily.QWEN2_VL:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
         vision = dict(common_vision, embed_dim=32, hidden_size=HIDDEN, mlp_ratio=2)
+        vision.update(vision_overrides or {})
         config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     elif family == QwenFamily.QWEN2_5_VL:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
         vision = dict(common_vision, hidden_size=32, intermediate_size=64, out_hidden_size=HIDDEN,
                       window_size=PATCH_SIZE * MERGE_SIZE * 2, fullatt_block_indexes=[1], tokens_per_second=2)
+        vision.update(vision_overrides or {})
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     else:
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
                                                   "mrope_section": [4, 2, 2], "mrope_interleaved": True})
         vision = dict(common_vision, depth=3, hidden_size=32, intermediate_size=64, out_hidden_size=HIDDEN,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+        vision.update(vision_overrides or {})
         config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     config.tie_word_embeddings = False
     return config
@@ -121,13 +125,14 @@ _MODEL_CLASS = {QwenFamily.QWEN2_VL: Qwen2VLForConditionalGeneration,
                 QwenFamily.QWEN3_VL: Qwen3VLForConditionalGeneration}
 
 
-def build_qwen_vl(family: QwenFamily | str, out: Path, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint of ``family`` to ``out``; seconds on a CPU."""
+def build_qwen_vl(family: QwenFamily | str, out: Path, *, seed: int = 0, vision_overrides: dict | None = None) -> Path:
+    """Write the tiny checkpoint of ``family`` to ``out``; seconds on a CPU. ``vision_overrides``: vision-config
+    fields to replace (``bench/encode_pricing.py`` widens the tower to a real model's width)."""
     family = QwenFamily(family)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     image_processor = build_image_processor(family)
-    config = build_config(family, tokenizer)
+    config = build_config(family, tokenizer, vision_overrides)
     model = _MODEL_CLASS[family](config).eval()
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
