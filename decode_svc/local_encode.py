@@ -159,27 +159,21 @@ class LocalEncoder:
                 batch, self._waiting = [w for w in self._waiting if not w.done.done()], []
                 if not batch:
                     continue
+                started = time.perf_counter()
                 try:
-                    outcomes, ms = await torch_thread.run(self._timed_batch, batch)
+                    outcomes = await torch_thread.run(self._encode_batch, batch)
                 except Exception as exc:   # the tower failed: every member with it
                     outcomes = [exc] * len(batch)
                 except BaseException:      # cancelled (the worker stops): no member waits forever
                     _settle(batch, [RuntimeError("decode worker stopping")] * len(batch))
                     raise
-                else:
+                else:   # the call's time, as the encoder's batcher times its own (checks and preprocessing included)
                     tokens = sum(r.tokens for o in outcomes if isinstance(o, tuple) for r in o[0])
                     if tokens:
-                        self.timings.record("encode", tokens, ms)
+                        self.timings.record("encode", tokens, (time.perf_counter() - started) * 1000)
                 _settle(batch, outcomes)
         finally:
             self._drainer = None
-
-    def _timed_batch(self, batch: list[_Waiting]) -> tuple[list[object], float]:
-        """``_encode_batch`` and its milliseconds on the model thread: the call's own time, not the wait for a
-        decode step to end before it (which is the step's, and counted as a queue by the gateway's pricing)."""
-        started = time.perf_counter()
-        outcomes = self._encode_batch(batch)
-        return outcomes, (time.perf_counter() - started) * 1000
 
     def _encode_batch(self, batch: list[_Waiting]) -> list[object]:
         """Each member's ``(records, then(records))`` or its own error: the images of every member whose
