@@ -148,20 +148,18 @@ def _median(values: list[float]) -> float:
 
 
 class _Samples:
-    """The workers' timing samples since the last read, by kind (each worker's cursor kept here); a decode
-    worker's own encodes (a colocated request's images sent as bytes) under ``encode_on_decode``."""
+    """The workers' timing samples since the last read, by kind (each worker's cursor kept here)."""
 
     def __init__(self, roles: list[tuple[str, str]], marks: dict[str, int]) -> None:
         self.roles, self.marks = roles, marks
 
     async def read(self) -> dict[str, list[tuple[float, float]]]:
-        out: dict[str, list[tuple[float, float]]] = {name: [] for name in (*st.TABLE_NAMES, "encode_on_decode")}
+        out: dict[str, list[tuple[float, float]]] = {name: [] for name in st.TABLE_NAMES}
         for role, address in self.roles:
             stats = await _stats(role, address, self.marks[address])
             for s in stats.samples:
-                kind = "encode_on_decode" if s.kind == "encode" and role == "decode" else s.kind
-                if kind in out:
-                    out[kind].append((s.size, s.ms))
+                if s.kind in out:
+                    out[s.kind].append((s.size, s.ms))
             self.marks[address] = max(self.marks[address], stats.last_sample)
         return out
 
@@ -212,14 +210,12 @@ async def profile(base: str, prompt_words: list[int], batches: list[int], repeat
                 timed["encoder"] += sum(ms for _, ms in got["encode"])
                 passes = sum(ms for _, ms in got["prefill"])
                 timed["prefill"] += passes + sum(ms for _, ms in got["transfer"])
-                timed["decode"] += sum(ms for _, ms in got["decode_step"]) + (0.0 if remote_prefill else passes) \
-                    + sum(ms for _, ms in got["encode_on_decode"])
+                timed["decode"] += sum(ms for _, ms in got["decode_step"]) + (0.0 if remote_prefill else passes)
                 sequential_steps += len(got["decode_step"])
                 if got["prefill"]:  # this request's passes, summed: one per-request point
                     tables["prefill"].append((sum(x for x, _ in got["prefill"]), sum(ms for _, ms in got["prefill"])))
                 for kind in ("transfer", "encode"):
                     tables[kind] += got[kind]
-                tables["encode"] += got["encode_on_decode"]   # the same tower, called on the decode worker
                 if words == shortest:  # steps at the burst phase's short context (the table has no context term)
                     tables["decode_step"] += got["decode_step"]
         cpu2, t2 = await cpu_now(), time.monotonic()

@@ -27,9 +27,7 @@ all served 11% more demo requests/s, ``bench/RESULTS.md``).
 Encodes that wait for the model thread together run as one batch through the tower (``_drain``: each
 turn takes every encode waiting, no window, so a lone request never waits for company; a burst's
 images are encoded in one call, as the encoder's batcher does); a member whose bytes, key, mode or
-size fail its checks fails alone. Each call is a timing sample (``encode``, its images' placeholder
-tokens), as the encoder's batches are: the gateway's cost model prices the encodes it sends here by
-the tower calls they make here too, not by the encoder's alone (which it may never call).
+size fail its checks fails alone.
 
 Lifecycle: ``_waiting`` holds encodes until the drain task (``_drainer``, alive while any wait) takes
 them; ``_pending`` holds each request's stores from its encode until ``start_stores``, which moves
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -57,7 +54,6 @@ from runtime.model.families import ImageEmbedding
 from runtime.model.model_adapter import VLMAdapter
 from runtime.worker import torch_thread
 from runtime.worker.peers import UnknownPeerError
-from runtime.worker.timing_log import TimingLog
 from runtime.worker.wire import ref_grids, tensor_to_pb
 
 log = logging.getLogger("epd.decode")
@@ -109,10 +105,9 @@ class LocalImageError(AdapterInputError):
 
 
 class LocalEncoder:
-    def __init__(self, adapter: VLMAdapter, fetcher: EmbeddingFetcher, timings: TimingLog | None = None):
+    def __init__(self, adapter: VLMAdapter, fetcher: EmbeddingFetcher):
         self.adapter = adapter
         self.fetcher = fetcher   # borrowed: its encoder channels and peer directory
-        self.timings = timings or TimingLog()   # borrowed: the worker's log, which Stats reports
         self.digest = preprocess_digest(adapter.processor.image_processor.to_dict())
         self.encoded = 0          # images encoded here
         self.store_failures = 0   # embeddings that did not reach their encoder's cache
@@ -159,7 +154,6 @@ class LocalEncoder:
                 batch, self._waiting = [w for w in self._waiting if not w.done.done()], []
                 if not batch:
                     continue
-                started = time.perf_counter()
                 try:
                     outcomes = await torch_thread.run(self._encode_batch, batch)
                 except Exception as exc:   # the tower failed: every member with it
@@ -167,10 +161,6 @@ class LocalEncoder:
                 except BaseException:      # cancelled (the worker stops): no member waits forever
                     _settle(batch, [RuntimeError("decode worker stopping")] * len(batch))
                     raise
-                else:   # the call's time, as the encoder's batcher times its own (checks and preprocessing included)
-                    tokens = sum(r.tokens for o in outcomes if isinstance(o, tuple) for r in o[0])
-                    if tokens:
-                        self.timings.record("encode", tokens, (time.perf_counter() - started) * 1000)
                 _settle(batch, outcomes)
         finally:
             self._drainer = None

@@ -115,9 +115,9 @@ class DecodeServicer(GenerateSteps, pb_grpc.DecodeServicer):
         self.adapter = adapter
         self.pool = pool
         self.fetcher = fetcher
-        self.timings = TimingLog()
-        self.local_encoder = LocalEncoder(adapter, fetcher, self.timings)   # a colocated request's images sent as bytes
+        self.local_encoder = LocalEncoder(adapter, fetcher)   # a colocated request's images sent as bytes
         self.faults = faults or FaultInjector("")
+        self.timings = TimingLog()
         # hybrid decoders: one linear-attention state slot per reservation, beside its blocks
         self.states = adapter.new_state_slots(2 * max_batch)
         longest = max(prefill_chunk_tokens, adapter.longest_image_span)   # what one colocated step writes at most

@@ -93,11 +93,6 @@ async def test_a_new_image_is_encoded_on_decode_and_its_repeat_is_an_encoder_cac
         assert text == answer
         assert breakdown["images_encoded_on_decode"] == 1
         assert (await encoder_stats(stack)).computes == computes, "the encoder encoded an image decode encoded"
-        for _ in range(200):   # decode's tower call is a timing sample: the gateway's next Stats poll calibrates on it
-            if orch.admission.cost_model.encode.points:
-                break
-            await asyncio.sleep(0.05)
-        assert orch.admission.cost_model.encode.points == 1, "the encode on decode never reached the cost model"
 
         key = content_key(await encoder_stats(stack), job)
         assert await cached_at_encoder(stack, key), "decode's embedding never reached the encoder's cache"
