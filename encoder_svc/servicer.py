@@ -122,8 +122,9 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         with span("encoder.encode", **{"epd.request_id": request_id}) as s:
             # the reply need not wait for the shared tier's write: the embedding goes back inline, or a
             # worker that misses it in Redis asks this encoder, whose LRU holds it (cache/embedding_fetch.py)
-            tensor, hit = await self.cache.get_or_compute(key, lambda: self.batcher.encode(decoded, ref.layout_variant),
-                                                          missed=bool(ref.cache_key), write_behind=True)
+            tensor, hit = await self.cache.get_or_compute(
+                key, lambda: self.batcher.encode(decoded, ref.layout_variant, ref.placeholder_tokens),
+                missed=bool(ref.cache_key), write_behind=True)
             if s is not None:
                 s.set_attribute("epd.cache_hit", bool(hit))
         self.cache_hits += hit

@@ -55,3 +55,21 @@ def test_the_queue_and_each_batch_count_their_images_tokens(model):
             await batcher.stop()
 
     assert each > 1 and asyncio.run(run()) == [("encode", each), ("encode", 2 * each)]
+
+
+def test_tokens_the_caller_names_are_taken_as_they_are(model, monkeypatch):
+    """The encoder passes each ref's placeholder count: the processor's rule is not run again for it."""
+    adapter = model[0]
+    image = draw_shape(random.Random(5), size=48).image
+    monkeypatch.setattr(adapter, "image_tokens", lambda *a: (_ for _ in ()).throw(AssertionError("recounted")))
+
+    async def run():
+        batcher = EncodeBatcher(adapter)
+        batcher.start()
+        try:
+            await batcher.encode(image, "", 16)
+            return [(s.kind, s.size) for s in batcher.timings.since(0)]
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [("encode", 16)]
